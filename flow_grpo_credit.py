@@ -1,0 +1,1306 @@
+"""flow_grpo_credit: credit assignment for GRPO on flow-matching text-to-image models, in one file.
+
+Five ways to give credit to the denoising steps of a flow model trained with GRPO, each a short
+function next to one shared rollout and one shared GRPO loss, so the methods can be read and diffed
+side by side (equations: METHODS.md, cited as "METHODS §n").
+
+    flow_grpo  Flow-GRPO (arXiv 2505.05470)        SDE at every step, one advantage for all steps
+    stepwise   Stepwise-Flow-GRPO (arXiv 2603.28718) Tweedie rewards per state, credit = reward gain
+    tempflow   TempFlow-GRPO (arXiv 2508.04324)     ODE, one SDE step, ODE; noise-aware weights
+    g2rpo      G2RPO (arXiv 2510.01982)             one SDE step from a shared anchor, multi-granularity
+    chunk      Chunk-GRPO (arXiv 2510.21583)        chunk-level importance ratios
+
+Contents
+    0  Conventions and helpers          6  Rollout (shared)
+    1  Args                             7  Credit assignment (one function per method)
+    2  Toy world (prompts, renderer,    8  GRPO loss (shared)
+       exact GenEval-style scorer)      9  Train loop
+    3  Models (toy text-to-image flow)  10 Eval, logging, plots
+    4  Rewards                          11 CLI
+    5  SDE step and log-prob
+
+Conventions
+    * t = 1 is noise, t = 0 is data: x_t = (1 - t) x0 + t x1, the model predicts v = x1 - x0,
+      Tweedie estimate x0_hat = x_t - t v (METHODS §0.1).
+    * A sampling grid t_0 = 1 > t_1 > ... > t_S = 0 comes from diffusers'
+      FlowMatchEulerDiscreteScheduler; transition k maps the state at t_k to t_{k+1}.
+    * The log-prob of a Gaussian step is a MEAN over the C*H*W dimensions, as in every official code
+      (METHODS §0.3). The importance ratio is therefore the D-th root of the true likelihood ratio and
+      stays very close to 1, which is why clip ranges are ~1e-4 rather than PPO's 0.2.
+    * "sigma" collides: `noise_level` (a or eta) scales the SDE's diffusion coefficient, while `std`
+      is the std of one transition x_k -> x_{k+1}. "r" is always a reward; the ratio is `ratio`.
+
+Symbols in shape comments
+    B prompts, G images per group (or branches), S steps of a grid, N transitions, C/H/W image.
+
+Deviations from the papers (METHODS.md "Project decisions")
+    1. KL is the exact per-step Gaussian KL with the transition std, averaged over dimensions.
+    2. Under the `ddim` SDE the first step (t = 1) is deterministic and is not trained.
+    3. G2RPO continuations always end exactly at t = 0 (no early-stop Tweedie artefact).
+    4. The toy world replaces SD3.5 + GenEval: a 16x16 shapes world with an exact scorer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+# ----------------------------------------------------------------------------------------------------
+# 0 Conventions and helpers
+
+
+class UsageError(ValueError):
+    """A bad input from the user: the CLI prints it on one line and exits with status 2."""
+
+
+def stable_seed(*parts) -> int:
+    """A seed from any printable parts that is the same on every machine and Python run."""
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+def generator(device, *parts) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(stable_seed(*parts))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def mean_over_dims(x: torch.Tensor) -> torch.Tensor:
+    """(B, ...) -> (B,): the reduction every official code uses for log-probs (METHODS §0.3)."""
+    return x.flatten(1).mean(1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 1 Args
+
+METHOD_NAMES = ("flow_grpo", "stepwise", "tempflow", "g2rpo", "chunk")
+SDE_KINDS = ("flow", "ddim")
+
+
+@dataclass
+class Args:
+    """Every tunable number of a run. Each field's docstring is its --help text."""
+
+    method: str = "flow_grpo"
+    """credit-assignment method: flow_grpo, stepwise, tempflow, g2rpo or chunk"""
+    model: str = "toy"
+    """'toy' (the embedded shapes world)"""
+    iterations: int = 60
+    """GRPO iterations (sample, score, update)"""
+    prompts_per_iter: int = 8
+    """prompts sampled per iteration"""
+    group_size: int = 8
+    """images (or branches) that share one advantage normalisation"""
+    steps: int = 10
+    """sampling steps during training (Flow-GRPO's denoising reduction: fewer than eval)"""
+    eval_steps: int = 20
+    """ODE steps of the deterministic evaluation"""
+    eval_every: int = 10
+    """evaluate every N iterations (and at the start and end)"""
+    eval_per_tag: int = 16
+    """held-out evaluation prompts per GenEval category"""
+    out: str = "runs"
+    """folder that receives one sub-folder per run"""
+    seed: int = 0
+    """seed of the whole run (prompts, noise, LoRA init)"""
+    device: str = "auto"
+    """auto, cpu or cuda"""
+    cache_dir: str = ""
+    """where the pretrained toy model is cached (default: $XDG_CACHE_HOME/flow_grpo_credit)"""
+
+    # GRPO and optimisation (METHODS §0.4, §1.6)
+    lr: float = 1e-3
+    """AdamW learning rate of the LoRA parameters"""
+    weight_decay: float = 1e-4
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """global gradient-norm clip"""
+    inner_updates: int = 2
+    """optimizer steps per iteration (the samples are split into this many minibatches)"""
+    clip_range: float = 1e-3
+    """PPO clip epsilon; small because the log-prob is a mean over dimensions"""
+    adv_clip: float = 5.0
+    """advantages are clamped to [-adv_clip, adv_clip]"""
+    beta: float = 0.0
+    """weight of the per-step Gaussian KL to the reference (LoRA disabled)"""
+    guidance: float = 1.0
+    """classifier-free guidance scale (1 = no negative branch)"""
+    lora_rank: int = 16
+    """LoRA rank"""
+    lora_alpha: float = 16.0
+    """LoRA alpha (scale = alpha / rank)"""
+
+    # SDE (METHODS §1.2, §4.1)
+    sde: str = "flow"
+    """SDE kind of stochastic steps: flow (Flow-GRPO) or ddim (Stepwise's DDIM-inspired SDE)"""
+    noise_level: float = 0.7
+    """a in sigma_t = a*sqrt(t/(1-t)) of the flow SDE"""
+    ddim_eta: float = 1.0
+    """eta in sigma_k = eta*t_{k+1}*sqrt(1-t_k) of the ddim SDE"""
+
+    # method-specific
+    tweedie_substeps: int = 5
+    """stepwise: ODE sub-steps from each state to t=0 for its intermediate reward (1 = plain Tweedie)"""
+    seeds: int = 2
+    """tempflow: initial noises per prompt; each seed and bifurcation step holds group_size branches"""
+    branch_steps: int = 0
+    """tempflow/g2rpo: branch points used per iteration, drawn at random (0 = all of the method's)"""
+    granularities: str = "1,2,3"
+    """g2rpo: continuation granularities Lambda (every lambda-th grid node after the SDE step)"""
+    chunks: str = "auto"
+    """chunk: chunk sizes over the trained steps, e.g. 2,3,4 (auto = from the relative-L1 profile)"""
+    num_chunks: int = 4
+    """chunk: number of chunks found by the automatic (auto) segmentation"""
+    weighted_chunks: bool = False
+    """chunk: draw trained chunks with probability proportional to their mean relative L1"""
+    chunk_fraction: float = 1.0
+    """chunk: fraction of chunks trained per trajectory"""
+
+    # toy world pretraining
+    pretrain_steps: int = 700
+    """toy: pretraining steps of the base model (cached afterwards)"""
+    pretrain_batch: int = 64
+    """toy: pretraining batch size"""
+    pretrain_lr: float = 1e-3
+    """toy: pretraining learning rate"""
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2 Toy world: GenEval-style prompts, a renderer and an exact scorer
+#
+# Prompts follow GenEval's metadata schema: {"tag", "include": [{"class", "count", "color"?,
+# "position"?: [relation, index]}], "exclude"?: [...], "prompt"}. Classes are shapes, colours come
+# from a four-colour palette, images are RES x RES RGB in [0, 1] on a black background.
+
+RES = 16
+SHAPE_SIZE = 5
+TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+CLASSES = ("circle", "square", "triangle")
+COLORS = {"red": (1.0, 0.0, 0.0), "green": (0.0, 1.0, 0.0), "blue": (0.0, 0.0, 1.0), "yellow": (1.0, 1.0, 0.0)}
+RELATIONS = ("left of", "right of", "above", "below")
+NUMBER_WORDS = {2: "two", 3: "three"}
+_MASK_ROWS = {  # 5x5 binary masks; the scorer tells them apart by fill ratio and top/bottom mass
+    "square": ["#####"] * 5,
+    "circle": [".###.", "#####", "#####", "#####", ".###."],
+    "triangle": ["..#..", ".###.", ".###.", "#####", "#####"],
+}
+SHAPE_MASKS = {k: np.array([[c == "#" for c in row] for row in rows]) for k, rows in _MASK_ROWS.items()}
+VOCAB = ["[PAD]", "[UNK]", "a", "and", "of", *NUMBER_WORDS.values(), *COLORS, *CLASSES,
+         *(c + "s" for c in CLASSES), "left", "right", "above", "below"]
+MAX_TOKENS = 8
+
+
+def make_prompt(tag: str, rng: random.Random) -> dict:
+    """One random prompt of a GenEval category, as GenEval metadata."""
+    a, b = rng.sample(CLASSES, 2)
+    ca, cb = rng.sample(list(COLORS), 2)
+    if tag == "single_object":
+        return {"tag": tag, "include": [{"class": a, "count": 1}], "prompt": f"a {a}"}
+    if tag == "two_object":
+        return {"tag": tag, "include": [{"class": a, "count": 1}, {"class": b, "count": 1}],
+                "prompt": f"a {a} and a {b}"}
+    if tag == "counting":
+        n = rng.choice(list(NUMBER_WORDS))
+        return {"tag": tag, "include": [{"class": a, "count": n}], "exclude": [{"class": a, "count": n + 1}],
+                "prompt": f"{NUMBER_WORDS[n]} {a}s"}
+    if tag == "colors":
+        return {"tag": tag, "include": [{"class": a, "count": 1, "color": ca}], "prompt": f"a {ca} {a}"}
+    if tag == "position":  # "a A right of a B": B is include[0], A must stand right of it
+        rel = rng.choice(RELATIONS)
+        return {"tag": tag, "include": [{"class": b, "count": 1}, {"class": a, "count": 1, "position": [rel, 0]}],
+                "prompt": f"a {a} {rel} a {b}"}
+    if tag == "color_attr":
+        return {"tag": tag, "include": [{"class": a, "count": 1, "color": ca}, {"class": b, "count": 1, "color": cb}],
+                "prompt": f"a {ca} {a} and a {cb} {b}"}
+    raise ValueError(f"unknown tag {tag!r}")
+
+
+def eval_prompts(per_tag: int, seed: int = 1234) -> list[dict]:
+    """The fixed evaluation set: `per_tag` prompts of each category, each with its own noise seed."""
+    rng = random.Random(seed)
+    return [make_prompt(tag, rng) for tag in TAGS for _ in range(per_tag)]
+
+
+def train_prompts(n: int, rng: random.Random) -> list[dict]:
+    """Training prompts: categories uniformly, then a random prompt of the category."""
+    return [make_prompt(rng.choice(TAGS), rng) for _ in range(n)]
+
+
+def relations(a: tuple, b: tuple) -> set:
+    """GenEval's relative-position rule between object centres a and b ((x, y), size each)."""
+    (ax, ay), (bx, by) = a[0], b[0]
+    offset = np.array([ax - bx, ay - by], dtype=float)
+    dims = 0.1 * (np.array(a[1], dtype=float) + np.array(b[1], dtype=float))
+    revised = np.maximum(np.abs(offset) - dims, 0) * np.sign(offset)
+    if np.all(np.abs(revised) < 1e-3):
+        return set()
+    dx, dy = revised / np.linalg.norm(offset)
+    out = set()
+    out |= {"left of"} if dx < -0.5 else set()
+    out |= {"right of"} if dx > 0.5 else set()
+    out |= {"above"} if dy < -0.5 else set()
+    out |= {"below"} if dy > 0.5 else set()
+    return out
+
+
+def render(meta: dict, rng: random.Random) -> np.ndarray:
+    """A ground-truth image (RES, RES, 3) in [0, 1] that satisfies the prompt; free attributes are random."""
+    objects = []  # (class, color)
+    for item in meta["include"]:
+        objects += [(item["class"], item.get("color") or rng.choice(list(COLORS)))] * item["count"]
+    for _ in range(1000):  # rejection sampling of non-touching placements that satisfy the relation
+        corners = [(rng.randrange(RES - SHAPE_SIZE + 1), rng.randrange(RES - SHAPE_SIZE + 1)) for _ in objects]
+        if any(abs(p[0] - q[0]) <= SHAPE_SIZE and abs(p[1] - q[1]) <= SHAPE_SIZE
+               for i, p in enumerate(corners) for q in corners[:i]):
+            continue
+        centres = [((x + SHAPE_SIZE / 2, y + SHAPE_SIZE / 2), (SHAPE_SIZE, SHAPE_SIZE)) for x, y in corners]
+        if all(item.get("position") is None or item["position"][0] in relations(centres[i], centres[item["position"][1]])
+               for i, item in enumerate(meta["include"])):
+            break
+    img = np.zeros((RES, RES, 3), dtype=np.float32)
+    for (cls, color), (x, y) in zip(objects, corners):
+        img[y:y + SHAPE_SIZE, x:x + SHAPE_SIZE][SHAPE_MASKS[cls]] = COLORS[color]
+    return img
+
+
+@dataclass
+class Detection:
+    cls: str | None  # None: a blob that is no known shape
+    color: str
+    centre: tuple
+    size: tuple
+
+
+def detect(img: np.ndarray, min_area: int = 6) -> list[Detection]:
+    """The toy 'object detector': nearest palette colour per pixel, 4-connected components, shape rule.
+
+    Exact on rendered images: a square fills its box, a circle misses its corners (fill 21/25), a
+    triangle holds most of its mass in the lower half."""
+    palette = np.array([(0.0, 0.0, 0.0), *COLORS.values()])  # (5, 3), black background first
+    nearest = ((img[:, :, None, :] - palette) ** 2).sum(-1).argmin(-1)  # (RES, RES)
+    found, seen = [], np.zeros_like(nearest, dtype=bool)
+    for y0, x0 in zip(*np.nonzero(nearest)):
+        if seen[y0, x0]:
+            continue
+        colour, stack, pixels = nearest[y0, x0], [(y0, x0)], []
+        seen[y0, x0] = True
+        while stack:  # flood fill
+            y, x = stack.pop()
+            pixels.append((y, x))
+            for yy, xx in ((y + 1, x), (y - 1, x), (y, x + 1), (y, x - 1)):
+                if 0 <= yy < RES and 0 <= xx < RES and not seen[yy, xx] and nearest[yy, xx] == colour:
+                    seen[yy, xx] = True
+                    stack.append((yy, xx))
+        if len(pixels) < min_area:
+            continue
+        ys, xs = np.array(pixels).T
+        h, w = ys.max() - ys.min() + 1, xs.max() - xs.min() + 1
+        top = (ys < ys.min() + h // 2).sum()
+        bottom = (ys >= ys.max() + 1 - h // 2).sum()
+        fill = len(pixels) / (h * w)
+        if not (3 <= h <= 7 and 3 <= w <= 7):
+            cls = None
+        elif top < 0.7 * bottom:
+            cls = "triangle"
+        else:
+            cls = "square" if fill >= 0.92 else "circle"
+        centre = ((xs.min() + xs.max() + 1) / 2, (ys.min() + ys.max() + 1) / 2)  # box centre, as GenEval
+        found.append(Detection(cls, list(COLORS)[colour - 1], centre, (w, h)))
+    return found
+
+
+def score_image(img: np.ndarray, meta: dict) -> tuple[float, float]:
+    """GenEval's verdict (0/1) and a dense partial score in [0, 1] (the default RL reward).
+
+    Verdict, as GenEval: each include item needs >= count objects of its class (and colour, and
+    position relative to include[index]); each exclude item needs < count objects of its class.
+    Dense: per include item, half credit for objects of the class and half for the right colour (each
+    min(n, count)/count), scaled down for too many objects where an exclude applies; a position item
+    counts half for its objects and half for the relation. The mean over items is the score."""
+    dets = detect(img)
+    by_class = {c: [d for d in dets if d.cls == c] for c in CLASSES}
+    ok, parts = True, []
+    for item in meta["include"]:
+        n = item["count"]
+        of_class = by_class[item["class"]]
+        matching = [d for d in of_class if item.get("color") in (None, d.color)]
+        ok &= len(matching) >= n
+        part = 0.5 * min(len(of_class), n) / n + 0.5 * min(len(matching), n) / n
+        if item.get("position"):
+            rel, ref = item["position"]
+            anchors = [d for d in by_class[meta["include"][ref]["class"]]]
+            related = any(rel in relations((d.centre, d.size), (a.centre, a.size)) for d in matching for a in anchors)
+            ok &= related
+            part = 0.5 * part + 0.5 * related
+        parts.append(part)
+    for item in meta.get("exclude", []):
+        n_found = len(by_class[item["class"]])
+        ok &= n_found < item["count"]
+        if n_found >= item["count"]:  # too many: shrink the matching include item's credit
+            parts = [p * (item["count"] - 1) / n_found for p in parts]
+    return float(ok), float(np.mean(parts))
+
+
+def score_batch(images: torch.Tensor, metas: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, 3, RES, RES) images in [0, 1] -> verdicts (N,), dense scores (N,)."""
+    arr = images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()
+    scores = [score_image(img, meta) for img, meta in zip(arr, metas)]
+    verdict, dense = torch.tensor(scores, dtype=torch.float32).T
+    return verdict, dense
+
+
+def render_batch(metas: list[dict], rng: random.Random) -> torch.Tensor:
+    """Ground-truth images for prompts: (N, 3, RES, RES) in [0, 1]."""
+    return torch.from_numpy(np.stack([render(m, rng) for m in metas])).permute(0, 3, 1, 2)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3 Models
+#
+# A policy is anything with `net` (the trainable denoiser that carries the LoRA adapter),
+# `encode(prompts) -> cond` (a dict of batch-first tensors), `velocity(x, t, cond)`, `decode` and
+# `save_lora`. The toy policy is a tiny diffusers UNet2DConditionModel in pixel space with a tiny
+# transformers CLIP text encoder and a word-level tokenizer over the toy grammar.
+
+
+def build_tokenizer():
+    """A word-level transformers tokenizer over the toy vocabulary (no files needed)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]",
+                                   model_max_length=MAX_TOKENS)
+
+
+def build_toy_modules(seed: int):
+    """Fresh (untrained) toy UNet and text encoder; 1.7M + 0.1M parameters."""
+    from diffusers import UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(seed)
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=MAX_TOKENS, pad_token_id=0))
+    unet = UNet2DConditionModel(
+        sample_size=RES, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(32, 64, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=64, attention_head_dim=8, norm_num_groups=16)
+    return unet, text_encoder
+
+
+class ToyPolicy:
+    """Toy text-to-image flow model: pixels in [-1, 1] are the 'latents', decode is an affine map."""
+
+    def __init__(self, unet, text_encoder, tokenizer, guidance: float = 1.0):
+        self.net, self.text_encoder, self.tokenizer, self.guidance = unet, text_encoder, tokenizer, guidance
+        self.text_encoder.requires_grad_(False)
+
+    @property
+    def device(self):
+        return next(self.net.parameters()).device
+
+    def to(self, device):
+        self.net.to(device)
+        self.text_encoder.to(device)
+        return self
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> dict:
+        ids = self.tokenizer(prompts, padding="max_length", max_length=MAX_TOKENS, truncation=True,
+                             return_tensors="pt").input_ids.to(self.device)
+        return {"encoder_hidden_states": self.text_encoder(ids).last_hidden_state}  # (B, L, 64)
+
+    def latent_shape(self, n: int) -> tuple:
+        return (n, 3, RES, RES)
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x.float() + 1) / 2).clamp(0, 1)  # (N, 3, RES, RES) in [0, 1]
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        """v(x_t, t, c) with classifier-free guidance; t (N,) in [0, 1]. The unconditional branch is
+        computed without gradient (Flow-GRPO detaches it too)."""
+        v = self.net(x, t * 1000, **cond).sample
+        if self.guidance == 1.0:
+            return v
+        with torch.no_grad():
+            v_uncond = self.net(x, t * 1000, **self.uncond(len(x))).sample
+        return v_uncond + self.guidance * (v - v_uncond)
+
+    def uncond(self, n: int) -> dict:
+        if not hasattr(self, "_uncond"):
+            self._uncond = self.encode([""])
+        return {k: v.expand(n, *v.shape[1:]) for k, v in self._uncond.items()}
+
+
+def toy_cache_dir(args: Args) -> Path:
+    root = Path(args.cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flow_grpo_credit")
+    recipe = f"res{RES}-steps{args.pretrain_steps}-b{args.pretrain_batch}-lr{args.pretrain_lr}-v1"
+    return root / f"toy-{recipe}"
+
+
+def pretrain_toy(args: Args, device) -> ToyPolicy:
+    """Rectified-flow pretraining on rendered shapes: loss |v_theta(x_t, t, c) - (x1 - x0)|^2 with
+    t ~ U(0, 1); 10% empty captions so classifier-free guidance works. Seeded, so the same recipe
+    gives the same weights; the result is cached on disk."""
+    unet, text_encoder = build_toy_modules(seed=0)
+    unet.to(device).train()
+    text_encoder.to(device).train()
+    tokenizer = build_tokenizer()
+    params = list(unet.parameters()) + list(text_encoder.parameters())
+    opt = torch.optim.AdamW(params, lr=args.pretrain_lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 50))
+    ema = [p.detach().clone() for p in params]
+    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    for _ in tqdm(range(args.pretrain_steps), desc="pretraining toy model", leave=False):
+        metas = train_prompts(args.pretrain_batch, rng)
+        x0 = render_batch(metas, rng) * 2 - 1  # (B, 3, RES, RES) in [-1, 1]
+        captions = [m["prompt"] if rng.random() > 0.1 else "" for m in metas]
+        x1 = torch.randn(x0.shape, generator=gen)
+        t = torch.rand(len(x0), generator=gen)
+        xt = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * x1
+        ids = tokenizer(captions, padding="max_length", max_length=MAX_TOKENS, return_tensors="pt").input_ids
+        v = unet(xt.to(device), t.to(device) * 1000, text_encoder(ids.to(device)).last_hidden_state).sample
+        loss = F.mse_loss(v, (x1 - x0).to(device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        with torch.no_grad():
+            for e, p in zip(ema, params):
+                e.lerp_(p, 1 - 0.99)
+    with torch.no_grad():
+        for e, p in zip(ema, params):
+            p.copy_(e)
+    return ToyPolicy(unet.eval(), text_encoder.eval(), tokenizer, args.guidance)
+
+
+def load_toy(args: Args, device) -> ToyPolicy:
+    """The pretrained toy model from the cache, pretraining it first if absent."""
+    from diffusers import UNet2DConditionModel
+    from transformers import CLIPTextModel
+
+    folder = toy_cache_dir(args)
+    if not (folder / "done").exists():
+        policy = pretrain_toy(args, device)
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        policy.net.save_pretrained(tmp / "unet")
+        policy.text_encoder.save_pretrained(tmp / "text_encoder")
+        policy.tokenizer.save_pretrained(tmp / "tokenizer")
+        (tmp / "done").write_text("ok\n")
+        tmp.replace(folder) if not folder.exists() else None
+        return policy
+    from transformers import PreTrainedTokenizerFast
+    unet = UNet2DConditionModel.from_pretrained(folder / "unet").to(device).eval()
+    text_encoder = CLIPTextModel.from_pretrained(folder / "text_encoder").to(device).eval()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder / "tokenizer")
+    return ToyPolicy(unet, text_encoder, tokenizer, args.guidance)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 5 SDE step and log-prob
+
+
+def _as_column(t, x: torch.Tensor) -> torch.Tensor:
+    """A float or (B,) tensor of times -> (B, 1, 1, 1) in float32 on x's device."""
+    t = torch.as_tensor(t, dtype=torch.float32, device=x.device)
+    return t.reshape(-1, *([1] * (x.dim() - 1))).expand(x.shape[0], *([1] * (x.dim() - 1)))
+
+
+def ode_step(x: torch.Tensor, v: torch.Tensor, t, t_next) -> torch.Tensor:
+    """Euler step of the probability-flow ODE: x_{k+1} = x_k - (t_k - t_{k+1}) v (METHODS §0.1)."""
+    return x + (_as_column(t_next, x) - _as_column(t, x)) * v
+
+
+def sde_step(x, v, t, t_next, *, kind="flow", noise_level=0.7, noise=None, prev_sample=None, generator=None):
+    """One stochastic step x_k -> x_{k+1} ~ N(mean, std^2 I); returns (x_next, log_prob, mean, std).
+
+    kind="flow" (Flow-GRPO, METHODS §1.2, paper Eq. 9): sigma_t = a*sqrt(t/(1-t)), with t_1 in the
+        denominator at t = 1 (the official first-step substitution);
+        mean = x - dt*[v + sigma_t^2/(2t) * x1_hat],  std = sigma_t*sqrt(dt),  dt = t - t_next.
+    kind="ddim" (Stepwise's DDIM-inspired SDE, METHODS §4.1, paper Eq. 8): std = eta*t_next*sqrt(1-t);
+        mean = (1-t_next)*x0_hat + sqrt(t_next^2 - std^2)*x1_hat (variance preserving).
+    x0_hat = x - t v and x1_hat = x + (1-t) v are the predicted data and noise.
+
+    log_prob (B,) is the Gaussian log-density MEAN over C*H*W (METHODS §0.3); it is 0 where std = 0
+    (a deterministic step, never trained). With noise_level 0 both kinds are the Euler ODE step.
+    `prev_sample` re-scores a stored transition instead of sampling one; `std` (B,) is the transition std.
+    """
+    x, v = x.float(), v.float()  # fp32: the mean overflows in bf16 (METHODS §9)
+    t_, tn = _as_column(t, x), _as_column(t_next, x)
+    x0_hat, x1_hat = x - t_ * v, x + (1 - t_) * v
+    if kind == "flow":
+        sigma_t = noise_level * torch.sqrt(t_ / (1 - torch.where(t_ >= 1, tn, t_)))
+        dt = t_ - tn
+        mean = x - dt * (v + sigma_t**2 / (2 * t_) * x1_hat)
+        std = sigma_t * torch.sqrt(dt)
+    elif kind == "ddim":
+        std = noise_level * tn * torch.sqrt(1 - t_)
+        mean = (1 - tn) * x0_hat + torch.sqrt((tn**2 - std**2).clamp_min(0)) * x1_hat
+    else:
+        raise UsageError(f"unknown SDE kind {kind!r}; choose one of {', '.join(SDE_KINDS)}")
+    if prev_sample is None:
+        if noise is None:
+            noise = torch.randn(x.shape, generator=generator, device=x.device if generator is None else generator.device)
+        prev_sample = mean + std * noise.to(x.device).float()
+    prev_sample = prev_sample.detach().float()
+    safe_std = torch.where(std > 0, std, torch.ones_like(std))
+    log_density = -((prev_sample - mean) ** 2) / (2 * safe_std**2) - torch.log(safe_std) - 0.5 * math.log(2 * math.pi)
+    log_prob = torch.where(std.flatten() > 0, mean_over_dims(log_density), torch.zeros_like(std.flatten()))
+    return prev_sample, log_prob, mean, std.flatten()
+
+
+def gaussian_kl(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """KL(N(mean, s^2) || N(mean_ref, s^2)) per dimension, averaged: mean_d (mu - mu_ref)^2 / (2 s^2),
+    (B,). The exact Gaussian KL of one transition over D (METHODS §1.6, §5.4, Project decision 4)."""
+    safe = torch.where(std > 0, std, torch.ones_like(std)).reshape(-1, *([1] * (mean.dim() - 1)))
+    return mean_over_dims((mean - mean_ref) ** 2 / (2 * safe**2)) * (std > 0)
+
+
+def time_grid(steps: int, shift: float = 1.0) -> torch.Tensor:
+    """(steps + 1,) times from 1 to 0 as diffusers' FlowMatchEulerDiscreteScheduler sets them."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
+    scheduler.set_timesteps(steps)
+    return scheduler.sigmas.float()
+
+
+# ----------------------------------------------------------------------------------------------------
+# 6 Rollout (shared by every method)
+
+
+@dataclass
+class Meter:
+    """The honest compute counter: per-image model forward passes (a CFG step counts 2) and reward calls."""
+
+    nfe: int = 0
+    reward_calls: int = 0
+
+    def forward(self, policy, n: int) -> None:
+        self.nfe += n * (2 if policy.guidance != 1.0 else 1)
+
+
+@dataclass
+class Trajectory:
+    states: torch.Tensor  # (B, S+1, C, H, W): x at times[:, 0..S]
+    times: torch.Tensor  # (B, S+1)
+    log_probs: torch.Tensor  # (B, S): log pi_old of each transition (0 for ODE steps)
+    stds: torch.Tensor  # (B, S): transition std (0 for ODE steps)
+    stochastic: torch.Tensor  # (S,) bool
+
+
+@torch.no_grad()
+def rollout(policy, cond: dict, x: torch.Tensor, times: torch.Tensor, stochastic, args: Args, meter: Meter,
+            gen: torch.Generator | None = None) -> Trajectory:
+    """Integrate from x (B, C, H, W) along `times` ((S+1,) or (B, S+1), decreasing), taking an SDE step
+    where `stochastic` (S,) is true and an Euler ODE step elsewhere. Every method samples through this:
+    Flow-GRPO (all SDE), TempFlow and G2RPO branches (start at a stored state, one SDE step, own grid),
+    Stepwise's Tweedie refinement (ODE on a per-sample grid)."""
+    b = x.shape[0]
+    times = (times if times.dim() == 2 else times.expand(b, -1)).to(x.device)
+    stochastic = torch.as_tensor(stochastic, dtype=torch.bool)
+    states, log_probs, stds = [x], [], []
+    for k in range(times.shape[1] - 1):
+        t, t_next = times[:, k], times[:, k + 1]
+        v = policy.velocity(x, t, cond)
+        meter.forward(policy, b)
+        if stochastic[k]:
+            x, log_prob, _, std = sde_step(x, v, t, t_next, kind=args.sde,
+                                           noise_level=args.noise_level if args.sde == "flow" else args.ddim_eta,
+                                           generator=gen)
+        else:
+            x, log_prob, std = ode_step(x, v, t, t_next), torch.zeros(b, device=x.device), torch.zeros(b, device=x.device)
+        states.append(x)
+        log_probs.append(log_prob)
+        stds.append(std)
+    return Trajectory(torch.stack(states, 1), times, torch.stack(log_probs, 1), torch.stack(stds, 1), stochastic)
+
+
+def initial_noise(policy, n: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(policy.latent_shape(n), generator=gen, device=gen.device).to(policy.device)
+
+@dataclass
+class Transitions:
+    """A flat list of N transitions x -> x_next to train on: the one thing every method hands the loss.
+
+    `chunk` ids say which transitions share one importance ratio (Chunk-GRPO); by default every
+    transition is its own chunk, which is step-level GRPO. `weight` is TempFlow's step weight (1 elsewhere)."""
+
+    x: torch.Tensor  # (N, C, H, W) state before the step
+    x_next: torch.Tensor  # (N, C, H, W) sampled state after the step
+    t: torch.Tensor  # (N,) time of x
+    t_next: torch.Tensor  # (N,) time of x_next
+    log_prob: torch.Tensor  # (N,) log pi_old(x_next | x), recorded while sampling
+    std: torch.Tensor  # (N,) transition std
+    prompt: torch.Tensor  # (N,) long: index into this iteration's prompts
+    advantage: torch.Tensor  # (N,)
+    weight: torch.Tensor  # (N,)
+    chunk: torch.Tensor  # (N,) long: transitions with the same id share one ratio
+    step: torch.Tensor  # (N,) long: index k of the transition on the base grid (for per-step metrics)
+
+    def __len__(self) -> int:
+        return len(self.t)
+
+    def __getitem__(self, idx) -> "Transitions":
+        return Transitions(**{f.name: getattr(self, f.name)[idx] for f in dataclasses.fields(self)})
+
+    @staticmethod
+    def cat(parts: list["Transitions"]) -> "Transitions":
+        offsets = np.cumsum([0] + [int(p.chunk.max()) + 1 if len(p) else 0 for p in parts[:-1]])
+        parts = [dataclasses.replace(p, chunk=p.chunk + int(o)) for p, o in zip(parts, offsets)]
+        return Transitions(**{f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(Transitions)})
+
+
+def transitions_from(traj: Trajectory, prompt: torch.Tensor, advantage: torch.Tensor, trained, *,
+                     weight=None, chunk=None, first_step: int = 0) -> Transitions:
+    """Select the trained transitions of a trajectory batch. advantage, weight, chunk: (B, S) or None;
+    trained: (S,) bool; first_step: index on the base grid of the trajectory's first transition."""
+    b, s = traj.log_probs.shape
+    keep = torch.as_tensor(trained, dtype=torch.bool, device=traj.states.device).expand(b, s)  # (B, S)
+    steps = torch.arange(s, device=keep.device).expand(b, s)
+    return Transitions(
+        x=traj.states[:, :-1][keep], x_next=traj.states[:, 1:][keep],
+        t=traj.times[:, :-1][keep], t_next=traj.times[:, 1:][keep],
+        log_prob=traj.log_probs[keep], std=traj.stds[keep],
+        prompt=prompt[:, None].expand(b, s)[keep], advantage=advantage.expand(b, s)[keep],
+        weight=(torch.ones(b, s, device=keep.device) if weight is None else weight.expand(b, s))[keep],
+        chunk=(torch.arange(b * s, device=keep.device).view(b, s) if chunk is None else chunk)[keep],
+        step=(steps + first_step)[keep])
+
+
+@dataclass
+class Context:
+    """What a credit-assignment function is given: the policy, this iteration's prompts and helpers."""
+
+    policy: object
+    args: Args
+    meter: Meter
+    gen: torch.Generator  # all rollout noise of the iteration comes from here
+    metas: list  # B prompts as GenEval metadata
+    cond: dict  # prompt embeddings, batch-first (B, ...)
+    grid: torch.Tensor  # (S+1,) base time grid
+    reward_fn: object  # (images (N, 3, H, W) in [0, 1], metas) -> rewards (N,)
+    chunk_sizes: list | None = None
+    stats: dict = field(default_factory=dict)
+
+    def cond_of(self, prompt: torch.Tensor) -> dict:
+        return {k: v[prompt] for k, v in self.cond.items()}
+
+    def noise(self, n: int) -> torch.Tensor:
+        return initial_noise(self.policy, n, self.gen)  # (n, C, H, W)
+
+    def rollout(self, prompt, x, times, stochastic) -> Trajectory:
+        return rollout(self.policy, self.cond_of(prompt), x, times, stochastic, self.args, self.meter, self.gen)
+
+    def reward(self, x: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
+        """Decode and score final latents x (N, C, H, W) of prompts `prompt` (N,) -> (N,)."""
+        self.meter.reward_calls += len(x)
+        r = self.reward_fn(self.policy.decode(x), [self.metas[i] for i in prompt.tolist()])
+        return r.to(x.device).float()
+
+    def advantages(self, r: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+        """Group-relative advantage (r - mean_g) / (std_g + 1e-4), population std (METHODS §1.5).
+        A group whose rewards are all equal gets zero advantages (counted in zero_std_frac)."""
+        _, inv = torch.unique(group, return_inverse=True)
+        n = torch.zeros(int(inv.max()) + 1, device=r.device).index_add_(0, inv, torch.ones_like(r))
+        mean = torch.zeros_like(n).index_add_(0, inv, r) / n
+        var = torch.zeros_like(n).index_add_(0, inv, (r - mean[inv]) ** 2) / n
+        std = var.sqrt()
+        self.stats.setdefault("zero_std", []).extend((std < 1e-8).tolist())
+        return (r - mean[inv]) / (std[inv] + 1e-4)
+
+    def trainable(self, first: int = 0) -> torch.Tensor:
+        """(S - first,) bool: which transitions of the base grid from step `first` on can be trained:
+        stochastic-capable (std > 0 under the chosen SDE) and not the last one (METHODS §1.4)."""
+        stds = step_stds(self.grid, self.args)
+        s = len(self.grid) - 1
+        return ((stds > 0) & (torch.arange(s) < s - 1))[first:]
+
+
+def step_stds(grid: torch.Tensor, args: Args) -> torch.Tensor:
+    """(S,) transition std of an SDE step at each step of `grid` (it does not depend on the state)."""
+    level = args.noise_level if args.sde == "flow" else args.ddim_eta
+    z = torch.zeros(len(grid) - 1, 1)
+    return sde_step(z, z, grid[:-1], grid[1:], kind=args.sde, noise_level=level, noise=z)[3]
+
+
+def repeat(x: torch.Tensor, g: int) -> torch.Tensor:
+    """(B, ...) -> (B*G, ...): each entry repeated g times, groups contiguous."""
+    return x.repeat_interleave(g, dim=0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 7 Credit assignment: one function per method, same signature, side by side
+#
+# Each takes the iteration's Context and returns (Transitions to train on, rewards for logging).
+# Sampling differences are data for the shared rollout: which steps are stochastic, where a
+# trajectory starts, which grid it follows. Nothing below touches the loss or the optimiser.
+
+
+def flow_grpo(ctx: Context):
+    """Flow-GRPO (arXiv 2505.05470; METHODS §1.4-1.6, paper Eqs. 9-10).
+
+    All steps SDE from independent noises; one group-normalised advantage per image,
+        A_i = (R_i - mean_group R) / (std_group R + 1e-4),
+    broadcast to every trained step (the last step is not trained)."""
+    b, g, s = len(ctx.metas), ctx.args.group_size, len(ctx.grid) - 1
+    prompt = repeat(torch.arange(b), g)  # (B*G,)
+    traj = ctx.rollout(prompt, ctx.noise(b * g), ctx.grid, [True] * s)
+    r = ctx.reward(traj.states[:, -1], prompt)  # (B*G,)
+    adv = ctx.advantages(r, prompt)[:, None]  # (B*G, 1) -> every step
+    return transitions_from(traj, prompt, adv, ctx.trainable()), r
+
+
+def stepwise(ctx: Context):
+    """Stepwise-Flow-GRPO (arXiv 2603.28718; METHODS §4.2-4.3, paper Eq. 8 for the ddim SDE).
+
+    Shared initial noise per group. Reward of every state k = 0..S through a Tweedie estimate refined
+    by `tweedie_substeps` ODE steps to t = 0: r[i, k] = R(x0_hat(x_k)); credit of step k is its gain
+        g[i, k] = r[i, k+1] - r[i, k],   A = (g - mean_{i,k} g) / std_{i,k} g   over the prompt's group.
+    Differs from flow_grpo by: per-step gains instead of one broadcast advantage; shared noise."""
+    b, g, s, n = len(ctx.metas), ctx.args.group_size, len(ctx.grid) - 1, ctx.args.tweedie_substeps
+    prompt = repeat(torch.arange(b), g)  # (B*G,)
+    traj = ctx.rollout(prompt, repeat(ctx.noise(b), g), ctx.grid, [True] * s)
+    t = traj.times[:, :-1].reshape(-1)  # (B*G*S,) times of the intermediate states
+    frac = torch.linspace(1, 0, n + 1, device=t.device)  # sub-grid t_k -> 0 in n equal steps
+    x0_hat = ctx.rollout(repeat(prompt, s), traj.states[:, :-1].flatten(0, 1), t[:, None] * frac, [False] * n)
+    finals = torch.cat([x0_hat.states[:, -1].view(b * g, s, *traj.states.shape[2:]), traj.states[:, -1:]], 1)
+    r = ctx.reward(finals.flatten(0, 1), repeat(prompt, s + 1)).view(b * g, s + 1)  # (B*G, S+1)
+    adv = gain_advantages(ctx, r, prompt)  # (B*G, S)
+    return transitions_from(traj, prompt, adv, ctx.trainable()), r[:, -1]
+
+
+def gain_advantages(ctx: Context, r: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
+    """Stepwise's credit (METHODS §4.3): gains g[i, k] = r[i, k+1] - r[i, k] of rewards r (B*G, S+1),
+    normalised jointly over all (trajectory, step) of a prompt with the population std -> (B*G, S)."""
+    gains = r[:, 1:] - r[:, :-1]  # (B*G, S)
+    return ctx.advantages(gains.flatten(), repeat(prompt, gains.shape[1])).view_as(gains)
+
+
+def tempflow(ctx: Context):
+    """TempFlow-GRPO (arXiv 2508.04324; METHODS §5.1-5.3, paper Eq. 8).
+
+    ODE main path per (prompt, seed); at a bifurcation step k, G children take one SDE step from the
+    ODE state s_k and finish by ODE; process reward R_k^j; advantage over the G children of one
+    (prompt, seed, k); loss weight w_k = std_k / mean_{trained k'} std_k' (mean 1).
+    Differs from flow_grpo by: one stochastic step per rollout; per-step rewards; noise-aware weights."""
+    b, g, s, seeds = len(ctx.metas), ctx.args.group_size, len(ctx.grid) - 1, ctx.args.seeds
+    prompt = repeat(torch.arange(b), seeds)  # (B*seeds,)
+    main = ctx.rollout(prompt, ctx.noise(b * seeds), ctx.grid, [False] * s)
+    trainable = ctx.trainable()
+    stds = step_stds(ctx.grid, ctx.args)
+    weight = stds / stds[trainable].mean()  # (S,) Norm(sigma_t sqrt(dt)) to mean 1 over trained steps
+    parts, rewards = [], []
+    for k in branch_points(ctx, trainable):
+        child_prompt = repeat(prompt, g)  # (B*seeds*G,)
+        branch = ctx.rollout(child_prompt, repeat(main.states[:, k], g), ctx.grid[k:], [True] + [False] * (s - k - 1))
+        r = ctx.reward(branch.states[:, -1], child_prompt)
+        adv = ctx.advantages(r, repeat(torch.arange(b * seeds), g))[:, None]  # per (prompt, seed, k)
+        only_first = torch.arange(s - k) == 0
+        parts.append(transitions_from(branch, child_prompt, adv, only_first, weight=weight[k], first_step=k))
+        rewards.append(r)
+    return Transitions.cat(parts), torch.cat(rewards)
+
+
+def g2rpo(ctx: Context):
+    """G2RPO (arXiv 2510.01982; METHODS §6.1-6.3).
+
+    Shared ODE anchor per prompt; for k in the first half of the steps, G branches take one SDE step
+    from the anchor state s_k; each branch is finished by ODE at every granularity lambda (every
+    lambda-th grid node after t_{k+1}, ending at t = 0) and scored; fused advantage
+        A_k^i = sum_lambda (R_k^{i,lambda} - mean_i) / std_i.
+    Differs from tempflow by: one anchor per prompt, k over the first half, multi-granularity sum, no weights."""
+    b, g, s = len(ctx.metas), ctx.args.group_size, len(ctx.grid) - 1
+    prompt = torch.arange(b)
+    anchor = ctx.rollout(prompt, ctx.noise(b), ctx.grid, [False] * s)
+    first_half = ctx.trainable() & (torch.arange(s) < s // 2)
+    parts, rewards = [], []
+    for k in branch_points(ctx, first_half):
+        child_prompt = repeat(prompt, g)  # (B*G,)
+        sde = ctx.rollout(child_prompt, repeat(anchor.states[:, k], g), ctx.grid[k:k + 2], [True])
+        adv = torch.zeros(b * g)
+        for lam in parse_granularities(ctx.args.granularities):
+            coarse = continuation_grid(ctx.grid, k + 1, lam)
+            end = ctx.rollout(child_prompt, sde.states[:, -1], coarse, [False] * (len(coarse) - 1))
+            r = ctx.reward(end.states[:, -1], child_prompt)
+            adv += ctx.advantages(r, child_prompt)
+            rewards.append(r)
+        parts.append(transitions_from(sde, child_prompt, adv[:, None], [True], first_step=k))
+    return Transitions.cat(parts), torch.cat(rewards)
+
+
+def chunk(ctx: Context):
+    """Chunk-GRPO (arXiv 2510.21583; METHODS §7.3-7.5, v1 Eqs. 14-16).
+
+    Sampling and advantage as flow_grpo (shared noise per group, as the paper); the trained steps are
+    split into consecutive chunks and each chunk gets one importance ratio
+        ratio_j = exp( mean_{k in chunk j} (log pi_theta - log pi_old) ).
+    Optionally only a fraction of the chunks is trained, drawn by their mean relative L1.
+    Differs from flow_grpo by: chunk ids that make the shared loss use chunk-level ratios."""
+    b, g, s = len(ctx.metas), ctx.args.group_size, len(ctx.grid) - 1
+    prompt = repeat(torch.arange(b), g)  # (B*G,)
+    traj = ctx.rollout(prompt, repeat(ctx.noise(b), g), ctx.grid, [True] * s)
+    r = ctx.reward(traj.states[:, -1], prompt)
+    adv = ctx.advantages(r, prompt)[:, None]
+    trainable = ctx.trainable()
+    sizes = ctx.chunk_sizes
+    of_step = torch.full((s,), -1, dtype=torch.long)  # chunk index of each step, -1 = not trained
+    of_step[trainable] = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    keep = trainable.expand(b * g, s).clone()  # (B*G, S)
+    n_train = max(1, int(len(sizes) * ctx.args.chunk_fraction))
+    if n_train < len(sizes):
+        rel = relative_l1(traj.states)  # (B*G, S)
+        per_chunk = torch.stack([rel[:, of_step == j].mean(1) for j in range(len(sizes))], 1)  # (B*G, K)
+        w = per_chunk + 1e-8 if ctx.args.weighted_chunks else torch.ones_like(per_chunk)
+        chosen = torch.multinomial(w, n_train, generator=ctx.gen)  # (B*G, n_train)
+        picked = torch.zeros_like(per_chunk, dtype=torch.bool).scatter_(1, chosen, True)
+        keep &= torch.cat([picked, torch.zeros(b * g, 1, dtype=torch.bool)], 1)[:, of_step]
+    chunk_id = torch.arange(b * g)[:, None] * len(sizes) + of_step.clamp_min(0)  # (B*G, S)
+    return transitions_from(traj, prompt, adv, keep, chunk=chunk_id), r
+
+
+METHODS = {"flow_grpo": flow_grpo, "stepwise": stepwise, "tempflow": tempflow, "g2rpo": g2rpo, "chunk": chunk}
+
+
+def branch_points(ctx: Context, allowed: torch.Tensor) -> list[int]:
+    """Steps k where TempFlow/G2RPO branch: all allowed ones, or `branch_steps` of them at random."""
+    ks = torch.nonzero(allowed).flatten()
+    if 0 < ctx.args.branch_steps < len(ks):
+        ks = ks[torch.randperm(len(ks), generator=ctx.gen, device=ctx.gen.device)[: ctx.args.branch_steps].cpu()].sort().values
+    return ks.tolist()
+
+
+def continuation_grid(grid: torch.Tensor, start: int, lam: int) -> torch.Tensor:
+    """G2RPO's granularity-lambda grid from node `start`: t_start, t_{start+1}, then every lambda-th
+    node, always ending at t = 0 (METHODS §6.2; Project decision 8)."""
+    idx = list(range(start, start + 2)) + list(range(start + 1 + lam, len(grid), lam))
+    idx = [i for i in dict.fromkeys(idx) if i < len(grid)]
+    if idx[-1] != len(grid) - 1:
+        idx.append(len(grid) - 1)
+    return grid[idx]
+
+
+def relative_l1(states: torch.Tensor) -> torch.Tensor:
+    """Chunk-GRPO's temporal dynamics (METHODS §7.4, v1 Eq. 15): |x_{k+1} - x_k|_1 / |x_k|_1, (B, S)."""
+    diff = (states[:, 1:] - states[:, :-1]).abs().flatten(2).mean(2)
+    return diff / (states[:, :-1].abs().flatten(2).mean(2) + 1e-8)
+
+
+def chunks_from_profile(profile: torch.Tensor, num_chunks: int) -> list[int]:
+    """Chunk sizes from a relative-L1 profile (S,) of the trained steps: boundaries split the profile's
+    total variation sum_k |L1rel_{k+1} - L1rel_k| into equal shares, so the steps where the dynamics
+    change fastest get the smallest chunks (our automatic reading of Chunk-GRPO v1 §4.3)."""
+    n = len(profile)
+    num_chunks = min(num_chunks, n)
+    change = torch.cat([profile[1:2] - profile[:1], profile[1:] - profile[:-1]]).abs() + 1e-6  # (S,)
+    cum = torch.cumsum(change, 0) / change.sum()
+    ends = [int(torch.searchsorted(cum, j / num_chunks)) + 1 for j in range(1, num_chunks)]
+    ends = [min(max(e, j + 1), n - (num_chunks - 1 - j)) for j, e in enumerate(ends)]  # >= 1 step each
+    for j in range(1, len(ends)):
+        ends[j] = max(ends[j], ends[j - 1] + 1)
+    bounds = [0, *ends, n]
+    return [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def parse_granularities(text: str) -> list[int]:
+    try:
+        lams = [int(p) for p in text.split(",")]
+    except ValueError:
+        lams = []
+    if not lams or min(lams) < 1:
+        raise UsageError(f"--granularities must be positive integers like 1,2,3, got {text!r}")
+    return lams
+
+
+def parse_chunks(text: str, n_trained: int) -> list[int] | None:
+    """'auto' -> None (computed from the profile); else sizes that must sum to the trained steps."""
+    if text == "auto":
+        return None
+    try:
+        sizes = [int(p) for p in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1 or sum(sizes) != n_trained:
+        raise UsageError(f"--chunks must be 'auto' or positive sizes summing to the {n_trained} trained steps, got {text!r}")
+    return sizes
+
+
+# ----------------------------------------------------------------------------------------------------
+# 8 GRPO loss (shared)
+
+
+def segment_mean(values: torch.Tensor, inv: torch.Tensor, n: int) -> torch.Tensor:
+    """Mean of `values` (N,) over segments given by `inv` (N,) in [0, n) -> (n,)."""
+    total = torch.zeros(n, device=values.device, dtype=values.dtype).index_add(0, inv, values)
+    count = torch.zeros(n, device=values.device, dtype=values.dtype).index_add(0, inv, torch.ones_like(values))
+    return total / count
+
+
+def grpo_loss(policy, cond: dict, tr: Transitions, args: Args) -> tuple[torch.Tensor, dict]:
+    """Clipped GRPO objective on transitions, as every official code writes it (METHODS §0.4):
+
+        ratio_j = exp(mean_{k in chunk j} log pi_theta(x_{k+1}|x_k) - log pi_old(x_{k+1}|x_k))
+        loss    = mean_j w_j * max(-A_j ratio_j, -A_j clip(ratio_j, 1-eps, 1+eps))  + beta * KL
+
+    A chunk of one transition is the step-level ratio of Flow-GRPO; log-probs are means over C*H*W,
+    so ratios stay within ~1e-3 of 1 and eps is tiny (METHODS §0.3). KL is to the adapter-disabled
+    reference with the transition std (Project decision 4)."""
+    level = args.noise_level if args.sde == "flow" else args.ddim_eta
+    c = {k: v[tr.prompt] for k, v in cond.items()}
+    v = policy.velocity(tr.x, tr.t, c)
+    _, log_prob, mean, _ = sde_step(tr.x, v, tr.t, tr.t_next, kind=args.sde, noise_level=level, prev_sample=tr.x_next)
+    _, inv = torch.unique(tr.chunk, return_inverse=True)
+    n = int(inv.max()) + 1
+    log_ratio = chunk_log_ratios(log_prob, tr.log_prob, tr.chunk)  # (K,) one ratio per chunk
+    ratio = torch.exp(log_ratio)
+    adv = segment_mean(tr.advantage, inv, n).clamp(-args.adv_clip, args.adv_clip)
+    weight = segment_mean(tr.weight, inv, n)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
+    policy_loss = (weight * torch.maximum(unclipped, clipped)).mean()
+    kl = torch.zeros((), device=v.device)
+    if args.beta > 0:
+        with torch.no_grad(), adapter_disabled(policy.net):
+            v_ref = policy.velocity(tr.x, tr.t, c)
+        _, _, mean_ref, _ = sde_step(tr.x, v_ref, tr.t, tr.t_next, kind=args.sde, noise_level=level, prev_sample=tr.x_next)
+        kl = gaussian_kl(mean, mean_ref, tr.std).mean()
+    loss = policy_loss + args.beta * kl
+    stats = {"policy_loss": policy_loss.item(), "kl": kl.item(), "ratio_mean": ratio.mean().item(),
+             "clipfrac": ((ratio - 1).abs() > args.clip_range).float().mean().item(),
+             "approx_kl": (0.5 * log_ratio**2).mean().item()}
+    return loss, stats
+
+
+def chunk_log_ratios(log_prob: torch.Tensor, log_prob_old: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
+    """Chunk-GRPO's chunk ratio in log space (METHODS §7.3, v1 Eq. 14): the mean of the step
+    log-ratios of each chunk, i.e. the geometric mean of its step ratios; (N,) -> (K,) by sorted id."""
+    _, inv = torch.unique(chunk, return_inverse=True)
+    return segment_mean(log_prob - log_prob_old, inv, int(inv.max()) + 1)
+
+
+class adapter_disabled:
+    """Context manager: the LoRA adapter switched off, i.e. the reference model pi_ref."""
+
+    def __init__(self, net):
+        self.net = net
+
+    def __enter__(self):
+        self.net.disable_adapters()
+
+    def __exit__(self, *exc):
+        self.net.enable_adapters()
+
+
+def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Generator) -> dict:
+    """Inner PPO updates: chunks shuffled and split into `inner_updates` minibatches, one AdamW step
+    each (after global grad-norm clipping). The first minibatch is exactly on-policy (ratio 1)."""
+    ids = torch.unique(tr.chunk)
+    order = ids[torch.randperm(len(ids), generator=gen, device=gen.device).cpu()]
+    params = [p for p in policy.net.parameters() if p.requires_grad]
+    stats = []
+    policy.net.train()
+    for part in torch.tensor_split(order, min(args.inner_updates, len(order))):
+        mb = tr[torch.isin(tr.chunk.cpu(), part)]
+        loss, s = grpo_loss(policy, cond, mb, args)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        s["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
+        opt.step()
+        stats.append({"loss": loss.item(), **s})
+    policy.net.eval()
+    return {k: float(np.mean([s[k] for s in stats])) for k in stats[0]} | {"ratio_first": stats[0]["ratio_mean"],
+                                                                           "clipfrac_first": stats[0]["clipfrac"]}
+
+
+# ----------------------------------------------------------------------------------------------------
+# 9 Train loop
+
+TOY_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2",
+                    "conv1", "conv2"]
+
+
+def add_lora(policy, args: Args) -> list[torch.nn.Parameter]:
+    """LoRA through peft on the denoiser (diffusers' add_adapter); the base weights are frozen."""
+    from peft import LoraConfig
+
+    torch.manual_seed(stable_seed(args.seed, "lora"))
+    policy.net.requires_grad_(False)
+    policy.net.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian",
+                                      target_modules=TOY_LORA_TARGETS))
+    return [p for p in policy.net.parameters() if p.requires_grad]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for but no CUDA device is available; use --device cpu or auto")
+    if name not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be auto, cpu or cuda, got {name!r}")
+    return torch.device(name)
+
+
+def validate(args: Args) -> None:
+    """Every bad input becomes one UsageError naming the flag and what is valid, before any file is written."""
+    if args.method not in METHODS:
+        raise UsageError(f"unknown --method {args.method!r}; choose one of {', '.join(METHODS)}")
+    if args.sde not in SDE_KINDS:
+        raise UsageError(f"unknown --sde {args.sde!r}; choose one of {', '.join(SDE_KINDS)}")
+    checks = [("iterations", args.iterations >= 1, ">= 1"), ("group-size", args.group_size >= 2, ">= 2"),
+              ("prompts-per-iter", args.prompts_per_iter >= 1, ">= 1"), ("steps", args.steps >= 3, ">= 3"),
+              ("eval-steps", args.eval_steps >= 1, ">= 1"), ("eval-every", args.eval_every >= 1, ">= 1"),
+              ("eval-per-tag", args.eval_per_tag >= 1, ">= 1"), ("lr", args.lr > 0, "> 0"),
+              ("clip-range", args.clip_range > 0, "> 0"), ("beta", args.beta >= 0, ">= 0"),
+              ("inner-updates", args.inner_updates >= 1, ">= 1"), ("seeds", args.seeds >= 1, ">= 1"),
+              ("tweedie-substeps", args.tweedie_substeps >= 1, ">= 1"), ("guidance", args.guidance >= 1, ">= 1"),
+              ("noise-level", args.noise_level > 0, "> 0"), ("ddim-eta", 0 < args.ddim_eta <= 1, "in (0, 1]"),
+              ("chunk-fraction", 0 < args.chunk_fraction <= 1, "in (0, 1]"), ("num-chunks", args.num_chunks >= 1, ">= 1"),
+              ("lora-rank", args.lora_rank >= 1, ">= 1"), ("branch-steps", args.branch_steps >= 0, ">= 0"),
+              ("pretrain-steps", args.pretrain_steps >= 1, ">= 1"), ("max-grad-norm", args.max_grad_norm > 0, "> 0")]
+    for flag, ok, valid in checks:
+        if not ok:
+            raise UsageError(f"--{flag} must be {valid}, got {getattr(args, flag.replace('-', '_'))!r}")
+    if args.model != "toy":
+        raise UsageError(f"--model {args.model!r} is not supported yet; the toy world is 'toy'")
+    parse_granularities(args.granularities)
+    n_trained = int(Context(None, args, None, None, [], {}, time_grid(args.steps), None).trainable().sum())
+    parse_chunks(args.chunks, n_trained)
+    resolve_device(args.device)
+
+
+def make_run_dir(args: Args) -> Path:
+    run = Path(args.out) / f"{args.method}-seed{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        run.mkdir(parents=True, exist_ok=False)
+    except OSError as e:
+        raise UsageError(f"--out {args.out!r}: cannot create the run folder {run} ({e.strerror or e})") from None
+    return run
+
+
+def toy_reward(images: torch.Tensor, metas: list[dict]) -> torch.Tensor:
+    """The default RL reward of the toy world: the scorer's dense partial score in [0, 1]."""
+    return score_batch(images, metas)[1]
+
+
+def auto_chunk_sizes(policy, args: Args, grid: torch.Tensor, trainable: torch.Tensor) -> list[int]:
+    """Chunk sizes from the base model's relative-L1 profile on a fixed batch (Chunk-GRPO §7.4)."""
+    metas = eval_prompts(2, seed=99)
+    ctx = Context(policy, args, Meter(), generator(policy.device, "chunk-profile"), metas,
+                  policy.encode([m["prompt"] for m in metas]), grid, None)
+    traj = ctx.rollout(torch.arange(len(metas)), ctx.noise(len(metas)), grid, [True] * (len(grid) - 1))
+    profile = relative_l1(traj.states).mean(0)[trainable]  # (trained steps,)
+    return chunks_from_profile(profile, args.num_chunks)
+
+
+def train(args: Args) -> list[dict]:
+    """Run GRPO with the chosen credit assignment; returns the list of metric records (also in metrics.jsonl)."""
+    validate(args)
+    device = resolve_device(args.device)
+    run = make_run_dir(args)
+    (run / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+    seed_everything(args.seed)
+    policy = load_toy(args, device)
+    params = add_lora(policy, args)
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    grid = time_grid(args.steps)
+    ctx0 = Context(policy, args, Meter(), None, [], {}, grid, toy_reward)
+    chunk_sizes = None
+    if args.method == "chunk":
+        chunk_sizes = parse_chunks(args.chunks, int(ctx0.trainable().sum())) or auto_chunk_sizes(policy, args, grid, ctx0.trainable())
+        print(f"chunk sizes over the trained steps: {chunk_sizes}")
+    meter, history, wall = Meter(), [], 0.0
+    log = (run / "metrics.jsonl").open("w")
+
+    def record(entry: dict) -> None:
+        history.append(entry)
+        log.write(json.dumps(entry) + "\n")
+        log.flush()
+
+    def run_eval(iteration: int) -> None:
+        metrics, images, metas, verdicts = evaluate(policy, args)
+        record({"iteration": iteration, **metrics, "nfe": meter.nfe, "wall_s": round(wall, 2)})
+        save_grid(images, metas, verdicts, run / f"samples_{iteration:04d}.png",
+                  f"{args.method} iteration {iteration}: toy-GenEval {metrics['eval_overall']:.3f}")
+
+    if chunk_sizes:
+        record({"iteration": 0, "chunk_sizes": chunk_sizes})
+    run_eval(0)
+    bar = tqdm(range(1, args.iterations + 1), desc=f"{args.method}", dynamic_ncols=True)
+    for it in bar:
+        start = time.time()
+        rng = random.Random(stable_seed(args.seed, "prompts", it))
+        metas = train_prompts(args.prompts_per_iter, rng)
+        ctx = Context(policy, args, meter, generator(device, args.seed, "rollout", it), metas,
+                      policy.encode([m["prompt"] for m in metas]), grid, toy_reward, chunk_sizes)
+        transitions, rewards = METHODS[args.method](ctx)
+        stats = update(policy, opt, ctx.cond, transitions, args, ctx.gen)
+        meter.forward(policy, len(transitions) * (2 if args.beta > 0 else 1))  # training (+ reference) passes
+        wall += time.time() - start
+        per_step = {f"adv_abs/{k}": float(transitions.advantage[transitions.step == k].abs().mean())
+                    for k in torch.unique(transitions.step).tolist()}
+        entry = {"iteration": it, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()), **stats,
+                 "zero_std_frac": float(np.mean(ctx.stats["zero_std"])), "transitions": len(transitions),
+                 "nfe": meter.nfe, "reward_calls": meter.reward_calls, "wall_s": round(wall, 2), **per_step}
+        record(entry)
+        bar.set_postfix(reward=f"{entry['reward_mean']:.3f}", kl=f"{entry['kl']:.2g}")
+        if it % args.eval_every == 0 or it == args.iterations:
+            run_eval(it)
+    log.close()
+    save_lora(policy, run / "lora")
+    plot_curves(history, run / "reward_curve.png", args.method)
+    print(f"done: {run}")
+    return history
+
+
+# ----------------------------------------------------------------------------------------------------
+# 10 Eval, logging, plots
+
+
+@torch.no_grad()
+def evaluate(policy, args: Args) -> tuple[dict, torch.Tensor, list[dict], torch.Tensor]:
+    """Deterministic toy-GenEval: a fixed prompt set, fixed noise, `eval_steps` Euler ODE steps.
+    Returns (metrics, images (N, 3, RES, RES), metas, verdicts (N,)); overall = mean of the six
+    category accuracies, as GenEval reports it."""
+    metas = eval_prompts(args.eval_per_tag)
+    cond = policy.encode([m["prompt"] for m in metas])
+    x = initial_noise(policy, len(metas), generator("cpu", "eval-noise"))
+    grid = time_grid(args.eval_steps)
+    traj = rollout(policy, cond, x, grid, [False] * args.eval_steps, args, Meter())
+    images = policy.decode(traj.states[:, -1])
+    verdicts, dense = score_batch(images, metas)
+    tags = np.array([m["tag"] for m in metas])
+    per_tag = {f"eval_{tag}": float(verdicts[torch.from_numpy(tags == tag)].mean()) for tag in TAGS}
+    metrics = {"eval_overall": float(np.mean(list(per_tag.values()))), **per_tag, "eval_reward": float(dense.mean())}
+    return metrics, images, metas, verdicts
+
+
+def save_grid(images: torch.Tensor, metas: list[dict], verdicts: torch.Tensor, path: Path, title: str,
+              per_tag: int = 6) -> None:
+    """A labelled PNG: one row per GenEval category, `per_tag` samples, prompt and verdict under each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(TAGS), per_tag, figsize=(per_tag * 1.6, len(TAGS) * 1.9))
+    for row, tag in enumerate(TAGS):
+        idx = [i for i, m in enumerate(metas) if m["tag"] == tag][:per_tag]
+        for col in range(per_tag):
+            ax = axes[row, col]
+            ax.axis("off")
+            if col < len(idx):
+                i = idx[col]
+                ax.imshow(images[i].permute(1, 2, 0).cpu().numpy(), interpolation="nearest")
+                ok = bool(verdicts[i])
+                ax.set_title(("✓ " if ok else "✗ ") + metas[i]["prompt"], fontsize=6, color="green" if ok else "red")
+        axes[row, 0].text(-0.1, 0.5, tag, transform=axes[row, 0].transAxes, rotation=90, va="center", ha="right", fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_curves(history: list[dict], path: Path, label: str) -> None:
+    """Reward per iteration and held-out toy-GenEval, against iterations."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [h for h in history if "reward_mean" in h]
+    evals = [h for h in history if "eval_overall" in h]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
+    a.plot([h["iteration"] for h in train], [h["reward_mean"] for h in train], label=label)
+    a.set(xlabel="iteration", ylabel="training reward (dense score)", title="reward")
+    b.plot([h["iteration"] for h in evals], [h["eval_overall"] for h in evals], marker="o", label=label)
+    b.set(xlabel="iteration", ylabel="toy-GenEval overall", title="held-out eval (ODE)")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def save_lora(policy, folder: Path) -> None:
+    """The LoRA adapter in diffusers format (pytorch_lora_weights.safetensors) that
+    `load_lora_adapter` / `pipe.load_lora_weights` read."""
+    from diffusers import StableDiffusionPipeline
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(policy.net))
+    StableDiffusionPipeline.save_lora_weights(folder, unet_lora_layers=layers, safe_serialization=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 11 CLI
+
+
+def field_help() -> dict:
+    """The docstring under each Args field, read from the source (CleanRL-style --help)."""
+    import ast
+    import inspect
+
+    body = ast.parse(inspect.getsource(Args)).body[0].body
+    return {a.target.id: b.value.value for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+
+
+class _Parser:
+    def __new__(cls):
+        import argparse
+
+        class Parser(argparse.ArgumentParser):
+            def error(self, message):  # one line, exit status 2, as every other bad input
+                raise UsageError(message)
+
+        parser = Parser(description="GRPO with credit assignment for flow-matching text-to-image models.")
+        helps = field_help()
+        for f in dataclasses.fields(Args):
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", help=helps.get(f.name))
+            else:
+                kind = {"int": int, "float": float, "str": str}[str(f.type)]
+                parser.add_argument(flag, type=kind, default=f.default, help=f"{helps.get(f.name)} (default: {f.default})")
+        parser.set_defaults(method=Args.method)
+        return parser
+
+
+def parse_args(argv=None) -> Args:
+    ns = _Parser().parse_args(argv)
+    return Args(**vars(ns))
+
+
+def main(argv=None) -> int:
+    try:
+        train(parse_args(argv))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""Tests that check meaning: equations, invariants of each method, exactness of the scorer, and a
+measured improvement of a short real run. Run with `python -m pytest -q`."""
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import flow_grpo_credit as fgc
+
+HERE = Path(__file__).parent
+
+
+# ----------------------------------------------------------------------------------------------------
+# toy world
+
+
+def test_scorer_is_exact_on_rendered_ground_truth():
+    rng = random.Random(0)
+    metas = [fgc.make_prompt(tag, rng) for tag in fgc.TAGS for _ in range(100)]
+    verdict, dense = fgc.score_batch(fgc.render_batch(metas, rng), metas)
+    assert verdict.min() == 1 and dense.min() == 1
+
+
+def test_scorer_rejects_images_of_other_prompts():
+    """The scorer can fail: an image rendered for one prompt fails a conflicting prompt."""
+    rng = random.Random(1)
+    red_circle = {"tag": "colors", "include": [{"class": "circle", "count": 1, "color": "red"}], "prompt": "a red circle"}
+    blue_circle = {"tag": "colors", "include": [{"class": "circle", "count": 1, "color": "blue"}], "prompt": "a blue circle"}
+    three = {"tag": "counting", "include": [{"class": "square", "count": 3}], "exclude": [{"class": "square", "count": 4}],
+             "prompt": "three squares"}
+    two = {"tag": "counting", "include": [{"class": "square", "count": 2}], "exclude": [{"class": "square", "count": 3}],
+           "prompt": "two squares"}
+    left = {"tag": "position", "include": [{"class": "square", "count": 1}, {"class": "circle", "count": 1, "position": ["left of", 0]}],
+            "prompt": "a circle left of a square"}
+    right = {"tag": "position", "include": [{"class": "square", "count": 1}, {"class": "circle", "count": 1, "position": ["right of", 0]}],
+             "prompt": "a circle right of a square"}
+    for shown, asked in [(red_circle, blue_circle), (three, two), (two, three), (left, right)]:
+        verdict, dense = fgc.score_batch(fgc.render_batch([shown] * 20, rng), [asked] * 20)
+        assert verdict.max() == 0 and dense.max() < 1
+    empty = torch.zeros(1, 3, fgc.RES, fgc.RES)
+    assert fgc.score_batch(empty, [red_circle]) == (torch.tensor([0.0]), torch.tensor([0.0]))
+
+
+def test_prompts_follow_geneval_schema():
+    for m in fgc.eval_prompts(4):
+        assert m["tag"] in fgc.TAGS and m["include"] and isinstance(m["prompt"], str)
+        assert all(set(item) <= {"class", "count", "color", "position"} for item in m["include"])
+        tokens = fgc.build_tokenizer()(m["prompt"]).input_ids
+        assert 1 not in tokens, "every prompt word is in the vocabulary (1 = [UNK])"
+
+
+# ----------------------------------------------------------------------------------------------------
+# SDE step, log-prob, KL, grids
+
+
+@pytest.mark.parametrize("kind", ["flow", "ddim"])
+def test_sde_log_prob_is_normal_log_prob_mean_over_dims(kind):
+    x, v = torch.randn(4, 3, 8, 8), torch.randn(4, 3, 8, 8)
+    t, t_next = torch.tensor([0.9, 0.7, 0.5, 0.3]), torch.tensor([0.8, 0.6, 0.4, 0.2])
+    x_next, log_prob, mean, std = fgc.sde_step(x, v, t, t_next, kind=kind, noise_level=0.7)
+    expected = torch.distributions.Normal(mean, std.view(-1, 1, 1, 1)).log_prob(x_next).flatten(1).mean(1)
+    assert log_prob.shape == (4,)
+    torch.testing.assert_close(log_prob, expected)
+    rescored = fgc.sde_step(x, v, t, t_next, kind=kind, noise_level=0.7, prev_sample=x_next)[1]
+    torch.testing.assert_close(rescored, log_prob)
+
+
+def test_euler_with_true_velocity_lands_on_data_and_zero_noise_sde_is_ode():
+    x0, x1 = torch.randn(2, 3, 8, 8), torch.randn(2, 3, 8, 8)
+    grid = fgc.time_grid(7, shift=3.0)
+    x = x1
+    for t, t_next in zip(grid[:-1], grid[1:]):
+        x = fgc.ode_step(x, x1 - x0, t, t_next)
+    torch.testing.assert_close(x, x0)
+    v = torch.randn_like(x0)
+    for kind in fgc.SDE_KINDS:
+        sde = fgc.sde_step(x1, v, 0.6, 0.4, kind=kind, noise_level=0.0)[0]
+        torch.testing.assert_close(sde, fgc.ode_step(x1, v, 0.6, 0.4))
+
+
+def test_flow_sde_std_matches_the_sd35_reference_table():
+    """METHODS Appendix B.1: transition stds of Flow-GRPO's SDE on the SD3.5 10-step grid (a = 0.7)."""
+    stds = fgc.step_stds(fgc.time_grid(10, shift=3.0), fgc.Args(sde="flow", noise_level=0.7))
+    table = [0.7000, 0.7430, 0.5362, 0.4459, 0.3918, 0.3528, 0.3191, 0.2820, 0.2254, 0.0063]
+    np.testing.assert_allclose(stds.numpy(), table, atol=6e-4)
+    ddim = fgc.step_stds(fgc.time_grid(10, shift=3.0), fgc.Args(sde="ddim", ddim_eta=1.0))
+    np.testing.assert_allclose(ddim.numpy(), [0, .1824, .2525, .2982, .3238, .3258, .2932, .2034, .0076, 0], atol=6e-4)
+
+
+def test_kl_is_exact_gaussian_kl_per_dimension():
+    mean, mean_ref, std = torch.randn(3, 2, 4, 4), torch.randn(3, 2, 4, 4), torch.tensor([0.3, 0.5, 0.9])
+    p = torch.distributions.Normal(mean, std.view(-1, 1, 1, 1))
+    q = torch.distributions.Normal(mean_ref, std.view(-1, 1, 1, 1))
+    expected = torch.distributions.kl_divergence(p, q).flatten(1).mean(1)
+    torch.testing.assert_close(fgc.gaussian_kl(mean, mean_ref, std), expected)
+
+
+# ----------------------------------------------------------------------------------------------------
+# advantages and method identities on a tiny random policy (fast)
+
+
+def ctx_for(method_args: dict, reward=None, b=2, seed=0):
+    args = fgc.Args(steps=6, group_size=4, seeds=2, tweedie_substeps=2, **method_args)
+    policy = random_policy()
+    metas = fgc.eval_prompts(1)[:b]
+    grid = fgc.time_grid(args.steps)
+    reward = reward or (lambda images, metas: images.mean((1, 2, 3)))
+    ctx = fgc.Context(policy, args, fgc.Meter(), fgc.generator("cpu", seed), metas,
+                      policy.encode([m["prompt"] for m in metas]), grid, reward)
+    if args.method == "chunk":
+        ctx.chunk_sizes = fgc.parse_chunks(args.chunks, int(ctx.trainable().sum())) or [1] * int(ctx.trainable().sum())
+    return ctx
+
+
+_POLICY = {}
+
+
+def random_policy():
+    if "p" not in _POLICY:
+        unet, text_encoder = fgc.build_toy_modules(seed=0)
+        policy = fgc.ToyPolicy(unet.eval(), text_encoder.eval(), fgc.build_tokenizer())
+        fgc.add_lora(policy, fgc.Args())
+        with torch.no_grad():  # a non-zero adapter so that reference and policy differ
+            for name, p in policy.net.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.02)
+        _POLICY["p"] = policy
+    return _POLICY["p"]
+
+
+def test_group_advantages_are_standardised_and_zero_variance_groups_are_zero():
+    ctx = ctx_for({})
+    r = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 5.0, 5.0, 5.0])
+    adv = ctx.advantages(r, torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]))
+    assert abs(adv[:4].mean()) < 1e-6 and abs(adv[:4].std(unbiased=False) - 1) < 1e-3
+    assert torch.equal(adv[4:], torch.zeros(4)) and ctx.stats["zero_std"] == [False, True]
+
+
+def test_stepwise_advantages_telescope_to_the_normalised_final_reward():
+    """METHODS Appendix C.6: with shared initial noise (r[:, 0] equal in a group), each trajectory's
+    jointly normalised gains sum to (r_final - group mean) / sigma_glob."""
+    ctx = ctx_for({"method": "stepwise"})
+    g, s = 4, 6
+    r = torch.rand(2 * g, s + 1)
+    r[:g, 0], r[g:, 0] = 0.3, 0.7
+    prompt = fgc.repeat(torch.arange(2), g)
+    adv = fgc.gain_advantages(ctx, r, prompt)
+    gains = r[:, 1:] - r[:, :-1]
+    sigma = torch.stack([gains[:g].std(unbiased=False), gains[g:].std(unbiased=False)])
+    final = r[:, -1].view(2, g)
+    expected = ((final - final.mean(1, keepdim=True)) / (sigma[:, None] + 1e-4)).flatten()
+    torch.testing.assert_close(adv.sum(1), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_stepwise_shares_noise_within_a_group_and_trains_each_step():
+    ctx = ctx_for({"method": "stepwise"})
+    tr, _ = fgc.stepwise(ctx)
+    first = tr[tr.step == 0]
+    assert torch.equal(first.x[0], first.x[3]) and not torch.equal(first.x[0], first.x[4])
+    assert sorted(torch.unique(tr.step).tolist()) == list(range(5))  # steps 0..S-2
+
+
+def test_tempflow_weights_average_one_and_advantages_are_zero_mean_per_seed_and_step():
+    ctx = ctx_for({"method": "tempflow"})
+    tr, _ = fgc.tempflow(ctx)
+    steps = torch.unique(tr.step)
+    weights = torch.stack([tr.weight[tr.step == k][0] for k in steps])
+    assert abs(weights.mean() - 1) < 1e-6 and weights[0] > weights[-1]  # noisier steps weigh more
+    blocks = tr.advantage.view(-1, ctx.args.group_size)  # G branches of one (prompt, seed, k)
+    assert blocks.sum(1).abs().max() < 1e-3 * blocks.abs().max()
+    x = tr.x.view(-1, ctx.args.group_size, *tr.x.shape[1:])
+    assert (x - x[:, :1]).abs().max() == 0, "children of one (prompt, seed, k) start from the same ODE state"
+
+
+def test_g2rpo_branches_share_the_ode_anchor_and_single_granularity_is_singular_sampling():
+    ctx = ctx_for({"method": "g2rpo", "granularities": "1"})
+    tr, _ = fgc.g2rpo(ctx)
+    noise = fgc.initial_noise(ctx.policy, 2, fgc.generator("cpu", 0))  # the same first draw as the method's
+    anchor = fgc.rollout(ctx.policy, ctx.cond, noise, ctx.grid, [False] * 6, ctx.args, fgc.Meter())
+    for k in torch.unique(tr.step).tolist():
+        expected = anchor.states[:, k].repeat_interleave(ctx.args.group_size, 0)  # (B*G, C, H, W)
+        torch.testing.assert_close(tr[tr.step == k].x, expected)
+    assert sorted(torch.unique(tr.step).tolist()) == [0, 1, 2]  # first half of the 6 steps
+    for k in range(5):  # lambda = 1 continues on the base grid: singular stochastic sampling
+        torch.testing.assert_close(fgc.continuation_grid(ctx.grid, k + 1, 1), ctx.grid[k + 1:])
+
+
+@pytest.mark.parametrize("k,lam", [(k, lam) for k in range(8) for lam in (1, 2, 3)])
+def test_g2rpo_continuations_end_at_zero_and_keep_the_first_base_step(k, lam):
+    grid = fgc.time_grid(16, shift=3.0)
+    coarse = fgc.continuation_grid(grid, k + 1, lam)
+    assert coarse[-1] == 0 and coarse[0] == grid[k + 1] and coarse[1] == grid[k + 2]
+    assert torch.all(coarse[1:] < coarse[:-1])
+
+
+def test_chunk_ratio_is_step_ratio_for_size_one_and_sequence_ratio_for_one_chunk():
+    log_new, log_old = torch.randn(6) * 1e-3, torch.randn(6) * 1e-3
+    per_step = fgc.chunk_log_ratios(log_new, log_old, torch.arange(6))
+    torch.testing.assert_close(per_step, log_new - log_old)
+    one = fgc.chunk_log_ratios(log_new, log_old, torch.zeros(6, dtype=torch.long))
+    torch.testing.assert_close(one, (log_new - log_old).mean()[None])
+    two = fgc.chunk_log_ratios(log_new, log_old, torch.tensor([0, 0, 1, 1, 1, 0]))
+    torch.testing.assert_close(two, torch.stack([(log_new - log_old)[[0, 1, 5]].mean(), (log_new - log_old)[2:5].mean()]))
+
+
+def test_chunk_method_assigns_chunk_ids_by_sizes_and_samples_a_fraction():
+    ctx = ctx_for({"method": "chunk", "chunks": "2,3"})
+    tr, _ = fgc.chunk(ctx)
+    first = tr.chunk[: 5]  # trajectory 0, steps 0..4
+    assert first[0] == first[1] != first[2] == first[3] == first[4]
+    ctx = ctx_for({"method": "chunk", "chunks": "1,1,3", "chunk_fraction": 0.34, "weighted_chunks": True})
+    tr, _ = fgc.chunk(ctx)
+    per_traj = [len(torch.unique(tr.chunk[tr.chunk // 3 == i])) for i in range(8)]
+    assert per_traj == [1] * 8
+
+
+def test_auto_chunks_cover_the_trained_steps_with_small_chunks_where_dynamics_change_fast():
+    profile = torch.tensor([0.9, 0.5, 0.3, 0.2, 0.15, 0.12, 0.11, 0.105, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1])
+    sizes = fgc.chunks_from_profile(profile, 4)
+    assert sum(sizes) == 16 and len(sizes) == 4 and min(sizes) >= 1 and sizes[0] < sizes[-1]
+
+
+@pytest.mark.parametrize("method", fgc.METHOD_NAMES)
+def test_first_inner_step_is_on_policy_for_every_method(method):
+    ctx = ctx_for({"method": method, "beta": 0.01, "branch_steps": 2})
+    tr, rewards = fgc.METHODS[method](ctx)
+    assert len(tr) > 0 and torch.isfinite(tr.advantage).all() and torch.isfinite(rewards).all()
+    params = [p for p in ctx.policy.net.parameters() if p.requires_grad]
+    saved = [p.detach().clone() for p in params]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    stats = fgc.update(ctx.policy, opt, ctx.cond, tr, ctx.args, fgc.generator("cpu", 1))
+    with torch.no_grad():
+        for p, s in zip(params, saved):
+            p.copy_(s)
+    assert abs(stats["ratio_first"] - 1) < 1e-5 and stats["clipfrac_first"] == 0
+    assert stats["kl"] > 0, "the adapter is non-zero, so the reference differs"
+
+
+def test_nfe_counts_every_forward_pass():
+    ctx = ctx_for({"method": "g2rpo", "granularities": "1,2"})
+    fgc.g2rpo(ctx)
+    # anchor 6 steps x 2 prompts; k in {0,1,2}: 8 branches x (1 SDE step + (5-k) + coarse lambda=2 steps)
+    coarse = sum(len(fgc.continuation_grid(ctx.grid, k + 1, 2)) - 1 for k in range(3))
+    assert ctx.meter.nfe == 12 + 8 * (3 + (5 + 4 + 3) + coarse)
+    assert ctx.meter.reward_calls == 8 * 3 * 2
+
+
+# ----------------------------------------------------------------------------------------------------
+# CLI: bad input is one line and exit status 2, with nothing written
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--method", "ppo"], "flow_grpo, stepwise, tempflow, g2rpo, chunk"),
+    (["--group-size", "1"], "--group-size must be >= 2"),
+    (["--iterations", "0"], "--iterations must be >= 1"),
+    (["--method", "chunk", "--chunks", "2,2"], "summing to the 9 trained steps"),
+    (["--method", "g2rpo", "--granularities", "1,0"], "--granularities"),
+    (["--sde", "euler"], "flow, ddim"),
+    (["--device", "cuda"], "no CUDA"),
+    (["--out", "/proc/forbidden"], "cannot create"),
+])
+def test_bad_input_is_a_one_line_error_with_status_2(argv, needle, tmp_path):
+    if argv[0] == "--device" and torch.cuda.is_available():
+        pytest.skip("CUDA is present")
+    out = ["--out", str(tmp_path / "runs")] if "--out" not in argv else []
+    proc = subprocess.run([sys.executable, str(HERE / "flow_grpo_credit.py"), *argv, *out],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr
+    assert not (tmp_path / "runs").exists()
