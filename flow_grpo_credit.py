@@ -65,6 +65,10 @@ class UsageError(ValueError):
     """A bad input from the user: the CLI prints it on one line and exits with status 2."""
 
 
+class RunError(RuntimeError):
+    """A run that cannot go on (e.g. non-finite rewards again and again): one line, exit status 1."""
+
+
 def stable_seed(*parts) -> int:
     """A seed from any printable parts that is the same on every machine and Python run."""
     digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
@@ -101,7 +105,7 @@ class Args:
     """credit-assignment method: flow_grpo, stepwise, tempflow, g2rpo or chunk"""
     model: str = "toy"
     """'toy' (the embedded shapes world)"""
-    iterations: int = 60
+    iterations: int = 64
     """GRPO iterations (sample, score, update)"""
     prompts_per_iter: int = 8
     """prompts sampled per iteration"""
@@ -111,9 +115,9 @@ class Args:
     """sampling steps during training (Flow-GRPO's denoising reduction: fewer than eval)"""
     eval_steps: int = 20
     """ODE steps of the deterministic evaluation"""
-    eval_every: int = 10
+    eval_every: int = 8
     """evaluate every N iterations (and at the start and end)"""
-    eval_per_tag: int = 16
+    eval_per_tag: int = 32
     """held-out evaluation prompts per GenEval category"""
     out: str = "runs"
     """folder that receives one sub-folder per run"""
@@ -125,19 +129,19 @@ class Args:
     """where the pretrained toy model is cached (default: $XDG_CACHE_HOME/flow_grpo_credit)"""
 
     # GRPO and optimisation (METHODS §0.4, §1.6)
-    lr: float = 1e-3
+    lr: float = 2e-3
     """AdamW learning rate of the LoRA parameters"""
     weight_decay: float = 1e-4
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """global gradient-norm clip"""
-    inner_updates: int = 2
+    inner_updates: int = 8
     """optimizer steps per iteration (the samples are split into this many minibatches)"""
     clip_range: float = 1e-3
     """PPO clip epsilon; small because the log-prob is a mean over dimensions"""
     adv_clip: float = 5.0
     """advantages are clamped to [-adv_clip, adv_clip]"""
-    beta: float = 0.0
+    beta: float = 0.02
     """weight of the per-step Gaussian KL to the reference (LoRA disabled)"""
     guidance: float = 1.0
     """classifier-free guidance scale (1 = no negative branch)"""
@@ -173,12 +177,18 @@ class Args:
     """chunk: fraction of chunks trained per trajectory"""
 
     # toy world pretraining
-    pretrain_steps: int = 700
+    pretrain_steps: int = 560
     """toy: pretraining steps of the base model (cached afterwards)"""
     pretrain_batch: int = 64
     """toy: pretraining batch size"""
-    pretrain_lr: float = 1e-3
+    pretrain_lr: float = 2e-3
     """toy: pretraining learning rate"""
+
+    # reliability
+    checkpoint_every: int = 10
+    """write checkpoint.pt every N iterations (and at the end); --resume RUN_DIR continues from it"""
+    max_nonfinite: int = 3
+    """stop after this many iterations in a row with non-finite rewards, advantages or loss"""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -398,7 +408,7 @@ def build_toy_modules(seed: int):
     torch.manual_seed(seed)
     text_encoder = CLIPTextModel(CLIPTextConfig(
         vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=MAX_TOKENS, pad_token_id=0))
+        num_attention_heads=4, max_position_embeddings=MAX_TOKENS, pad_token_id=0, bos_token_id=0, eos_token_id=0))
     unet = UNet2DConditionModel(
         sample_size=RES, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(32, 64, 64),
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
@@ -459,8 +469,8 @@ def toy_cache_dir(args: Args) -> Path:
 
 def pretrain_toy(args: Args, device) -> ToyPolicy:
     """Rectified-flow pretraining on rendered shapes: loss |v_theta(x_t, t, c) - (x1 - x0)|^2 with
-    t ~ U(0, 1); 10% empty captions so classifier-free guidance works. Seeded, so the same recipe
-    gives the same weights; the result is cached on disk."""
+    logit-normal t (as SD3), 10% empty captions so classifier-free guidance works, EMA 0.99 weights.
+    Seeded, so the same recipe gives the same weights; the result is cached on disk."""
     unet, text_encoder = build_toy_modules(seed=0)
     unet.to(device).train()
     text_encoder.to(device).train()
@@ -475,7 +485,7 @@ def pretrain_toy(args: Args, device) -> ToyPolicy:
         x0 = render_batch(metas, rng) * 2 - 1  # (B, 3, RES, RES) in [-1, 1]
         captions = [m["prompt"] if rng.random() > 0.1 else "" for m in metas]
         x1 = torch.randn(x0.shape, generator=gen)
-        t = torch.rand(len(x0), generator=gen)
+        t = torch.sigmoid(torch.randn(len(x0), generator=gen))  # logit-normal(0, 1)
         xt = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * x1
         ids = tokenizer(captions, padding="max_length", max_length=MAX_TOKENS, return_tensors="pt").input_ids
         v = unet(xt.to(device), t.to(device) * 1000, text_encoder(ids.to(device)).last_hidden_state).sample
@@ -1022,6 +1032,8 @@ def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Gene
     for part in torch.tensor_split(order, min(args.inner_updates, len(order))):
         mb = tr[torch.isin(tr.chunk.cpu(), part)]
         loss, s = grpo_loss(policy, cond, mb, args)
+        if not torch.isfinite(loss):  # never step from a poisoned loss
+            return {"skipped": 1}
         opt.zero_grad(set_to_none=True)
         loss.backward()
         s["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
@@ -1076,7 +1088,8 @@ def validate(args: Args) -> None:
               ("noise-level", args.noise_level > 0, "> 0"), ("ddim-eta", 0 < args.ddim_eta <= 1, "in (0, 1]"),
               ("chunk-fraction", 0 < args.chunk_fraction <= 1, "in (0, 1]"), ("num-chunks", args.num_chunks >= 1, ">= 1"),
               ("lora-rank", args.lora_rank >= 1, ">= 1"), ("branch-steps", args.branch_steps >= 0, ">= 0"),
-              ("pretrain-steps", args.pretrain_steps >= 1, ">= 1"), ("max-grad-norm", args.max_grad_norm > 0, "> 0")]
+              ("pretrain-steps", args.pretrain_steps >= 1, ">= 1"), ("max-grad-norm", args.max_grad_norm > 0, "> 0"),
+              ("checkpoint-every", args.checkpoint_every >= 1, ">= 1"), ("max-nonfinite", args.max_nonfinite >= 1, ">= 1")]
     for flag, ok, valid in checks:
         if not ok:
             raise UsageError(f"--{flag} must be {valid}, got {getattr(args, flag.replace('-', '_'))!r}")
@@ -1112,24 +1125,30 @@ def auto_chunk_sizes(policy, args: Args, grid: torch.Tensor, trainable: torch.Te
     return chunks_from_profile(profile, args.num_chunks)
 
 
-def train(args: Args) -> list[dict]:
-    """Run GRPO with the chosen credit assignment; returns the list of metric records (also in metrics.jsonl)."""
+def train(args: Args, resume: str | None = None) -> list[dict]:
+    """Run GRPO with the chosen credit assignment; returns the metric records (also in metrics.jsonl).
+    With `resume` (a run folder), continue from its last checkpoint up to `args.iterations`."""
     validate(args)
     device = resolve_device(args.device)
-    run = make_run_dir(args)
+    run = Path(resume) if resume else make_run_dir(args)
     (run / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
     seed_everything(args.seed)
     policy = load_toy(args, device)
     params = add_lora(policy, args)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     grid = time_grid(args.steps)
-    ctx0 = Context(policy, args, Meter(), None, [], {}, grid, toy_reward)
+    meter, history, wall, start_it, bad_in_row = Meter(), [], 0.0, 1, 0
+    if resume:
+        state = load_checkpoint(run, policy, opt)
+        meter, history, wall, start_it = Meter(**state["meter"]), state["history"], state["wall"], state["iteration"] + 1
     chunk_sizes = None
     if args.method == "chunk":
-        chunk_sizes = parse_chunks(args.chunks, int(ctx0.trainable().sum())) or auto_chunk_sizes(policy, args, grid, ctx0.trainable())
+        trainable = Context(policy, args, meter, None, [], {}, grid, None).trainable()
+        chunk_sizes = parse_chunks(args.chunks, int(trainable.sum())) or auto_chunk_sizes(policy, args, grid, trainable)
         print(f"chunk sizes over the trained steps: {chunk_sizes}")
-    meter, history, wall = Meter(), [], 0.0
     log = (run / "metrics.jsonl").open("w")
+    for entry in history:  # a resumed run rewrites what its checkpoint holds, dropping lines after it
+        log.write(json.dumps(entry) + "\n")
 
     def record(entry: dict) -> None:
         history.append(entry)
@@ -1142,10 +1161,11 @@ def train(args: Args) -> list[dict]:
         save_grid(images, metas, verdicts, run / f"samples_{iteration:04d}.png",
                   f"{args.method} iteration {iteration}: toy-GenEval {metrics['eval_overall']:.3f}")
 
-    if chunk_sizes:
-        record({"iteration": 0, "chunk_sizes": chunk_sizes})
-    run_eval(0)
-    bar = tqdm(range(1, args.iterations + 1), desc=f"{args.method}", dynamic_ncols=True)
+    if not resume:
+        if chunk_sizes:
+            record({"iteration": 0, "chunk_sizes": chunk_sizes})
+        run_eval(0)
+    bar = tqdm(range(start_it, args.iterations + 1), desc=args.method, dynamic_ncols=True)
     for it in bar:
         start = time.time()
         rng = random.Random(stable_seed(args.seed, "prompts", it))
@@ -1153,23 +1173,58 @@ def train(args: Args) -> list[dict]:
         ctx = Context(policy, args, meter, generator(device, args.seed, "rollout", it), metas,
                       policy.encode([m["prompt"] for m in metas]), grid, toy_reward, chunk_sizes)
         transitions, rewards = METHODS[args.method](ctx)
-        stats = update(policy, opt, ctx.cond, transitions, args, ctx.gen)
+        finite = bool(torch.isfinite(rewards).all() and torch.isfinite(transitions.advantage).all())
+        stats = update(policy, opt, ctx.cond, transitions, args, ctx.gen) if finite else {"skipped": 1}
         meter.forward(policy, len(transitions) * (2 if args.beta > 0 else 1))  # training (+ reference) passes
         wall += time.time() - start
+        bad_in_row = bad_in_row + 1 if stats.get("skipped") else 0
+        if bad_in_row:
+            tqdm.write(f"warning: iteration {it}: non-finite rewards, advantages or loss; update skipped")
+        if bad_in_row >= args.max_nonfinite:
+            raise RunError(f"stopped at iteration {it}: {bad_in_row} iterations in a row had non-finite rewards, "
+                           f"advantages or loss; the last good checkpoint is in {run}")
         per_step = {f"adv_abs/{k}": float(transitions.advantage[transitions.step == k].abs().mean())
                     for k in torch.unique(transitions.step).tolist()}
         entry = {"iteration": it, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()), **stats,
                  "zero_std_frac": float(np.mean(ctx.stats["zero_std"])), "transitions": len(transitions),
                  "nfe": meter.nfe, "reward_calls": meter.reward_calls, "wall_s": round(wall, 2), **per_step}
         record(entry)
-        bar.set_postfix(reward=f"{entry['reward_mean']:.3f}", kl=f"{entry['kl']:.2g}")
+        bar.set_postfix(reward=f"{entry['reward_mean']:.3f}", kl=f"{entry.get('kl', 0):.2g}")
         if it % args.eval_every == 0 or it == args.iterations:
             run_eval(it)
+        if (it % args.checkpoint_every == 0 or it == args.iterations) and not bad_in_row:
+            save_checkpoint(run, policy, opt, {"iteration": it, "meter": dataclasses.asdict(meter), "wall": wall,
+                                               "history": history})
     log.close()
     save_lora(policy, run / "lora")
     plot_curves(history, run / "reward_curve.png", args.method)
     print(f"done: {run}")
     return history
+
+
+def save_checkpoint(run: Path, policy, opt, state: dict) -> None:
+    """Adapter weights, optimizer state, RNG state and progress, written atomically (tmp, then rename).
+    Every iteration's randomness is derived from (seed, iteration), so this is all a resume needs."""
+    from peft.utils import get_peft_model_state_dict
+
+    payload = {"lora": get_peft_model_state_dict(policy.net), "optimizer": opt.state_dict(),
+               "torch_rng": torch.get_rng_state(), **state}
+    tmp = run / "checkpoint.pt.tmp"
+    torch.save(payload, tmp)
+    os.replace(tmp, run / "checkpoint.pt")
+
+
+def load_checkpoint(run: Path, policy, opt) -> dict:
+    from peft.utils import set_peft_model_state_dict
+
+    path = run / "checkpoint.pt"
+    if not path.exists():
+        raise UsageError(f"--resume {run}: no checkpoint.pt there (a run folder written by this script is expected)")
+    state = torch.load(path, map_location=policy.device, weights_only=False)
+    set_peft_model_state_dict(policy.net, state["lora"])
+    opt.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["torch_rng"])
+    return state
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1288,17 +1343,40 @@ class _Parser:
         return parser
 
 
-def parse_args(argv=None) -> Args:
-    ns = _Parser().parse_args(argv)
-    return Args(**vars(ns))
+def parse_args(argv=None) -> tuple[Args, str | None]:
+    """CLI -> (Args, resume folder). With --resume, the run's saved args are the base and flags given
+    on the command line override them (e.g. more --iterations)."""
+    parser = _Parser()
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    ns = vars(parser.parse_args(argv))
+    resume = ns.pop("resume")
+    if resume is None:
+        return Args(**ns), None
+    saved = Path(resume) / "args.json"
+    if not saved.exists():
+        raise UsageError(f"--resume {resume}: no args.json there (a run folder written by this script is expected)")
+    given = {k: v for k, v in vars(parser.parse_args(argv, argparse_defaults_none(parser))).items() if v is not None}
+    given.pop("resume", None)
+    return Args(**{**json.loads(saved.read_text()), **given}), resume
+
+
+def argparse_defaults_none(parser):
+    """A namespace in which every flag defaults to None, to tell the flags that were given."""
+    import argparse
+
+    return argparse.Namespace(**{a.dest: None for a in parser._actions if a.dest != "help"})
 
 
 def main(argv=None) -> int:
     try:
-        train(parse_args(argv))
+        args, resume = parse_args(argv)
+        train(args, resume)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -273,3 +273,101 @@ def test_bad_input_is_a_one_line_error_with_status_2(argv, needle, tmp_path):
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+# ----------------------------------------------------------------------------------------------------
+# end to end on a briefly pretrained toy model: determinism, resume, non-finite guard, LoRA files
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def tiny_args(cache, out, **kw):
+    base = dict(iterations=3, prompts_per_iter=2, group_size=2, steps=4, eval_steps=2, eval_per_tag=1,
+                eval_every=2, pretrain_steps=30, cache_dir=cache, out=str(out), checkpoint_every=1)
+    return fgc.Args(**{**base, **kw})
+
+
+def strip_time(history):
+    return [{k: v for k, v in h.items() if k != "wall_s"} for h in history]
+
+
+def test_same_seed_gives_the_same_metrics(tiny_cache, tmp_path):
+    a = fgc.train(tiny_args(tiny_cache, tmp_path / "a"))
+    b = fgc.train(tiny_args(tiny_cache, tmp_path / "b"))
+    assert strip_time(a) == strip_time(b)
+    c = fgc.train(tiny_args(tiny_cache, tmp_path / "c", seed=1))
+    assert strip_time(a) != strip_time(c)
+
+
+def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_cache, tmp_path, monkeypatch):
+    full = fgc.train(tiny_args(tiny_cache, tmp_path / "full", iterations=4))
+    calls = {"n": 0}
+    real = fgc.METHODS["flow_grpo"]
+
+    def dies_in_iteration_3(ctx):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(ctx)
+
+    monkeypatch.setitem(fgc.METHODS, "flow_grpo", dies_in_iteration_3)
+    with pytest.raises(KeyboardInterrupt):
+        fgc.train(tiny_args(tiny_cache, tmp_path / "killed", iterations=4))
+    monkeypatch.setitem(fgc.METHODS, "flow_grpo", real)
+    run = next((tmp_path / "killed").iterdir())
+    assert torch.load(run / "checkpoint.pt", weights_only=False)["iteration"] == 2
+    args, resume = fgc.parse_args(["--resume", str(run)])
+    assert args.iterations == 4 and resume == str(run)
+    resumed = fgc.train(args, resume)
+    assert strip_time(resumed) == strip_time(full)
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert strip_time(lines) == strip_time(full)
+    full_run = next((tmp_path / "full").iterdir())
+    a = torch.load(full_run / "checkpoint.pt", weights_only=False)["lora"]
+    b = torch.load(run / "checkpoint.pt", weights_only=False)["lora"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_non_finite_rewards_skip_updates_and_then_stop(tiny_cache, tmp_path, monkeypatch):
+    real = fgc.toy_reward
+    calls = {"n": 0}
+
+    def nan_on_second_call(images, metas):
+        calls["n"] += 1
+        r = real(images, metas)
+        return r * float("nan") if calls["n"] == 2 else r
+
+    monkeypatch.setattr(fgc, "toy_reward", nan_on_second_call)
+    history = fgc.train(tiny_args(tiny_cache, tmp_path / "once"))
+    skipped = [h for h in history if h.get("skipped")]
+    assert [h["iteration"] for h in skipped] == [2] and history[-1].get("eval_overall") is not None
+
+    monkeypatch.setattr(fgc, "toy_reward", lambda images, metas: torch.full((len(images),), float("nan")))
+    with pytest.raises(fgc.RunError, match="3 iterations in a row"):
+        fgc.train(tiny_args(tiny_cache, tmp_path / "always", iterations=5))
+    run = next((tmp_path / "always").iterdir())
+    assert not (run / "checkpoint.pt").exists(), "no checkpoint from a poisoned state"
+
+
+def test_saved_lora_loads_into_a_fresh_unet_with_diffusers(tiny_cache, tmp_path):
+    args = tiny_args(tiny_cache, tmp_path, iterations=2, lr=1e-2)
+    fgc.train(args)
+    run = next(tmp_path.iterdir())
+    assert (run / "lora" / "pytorch_lora_weights.safetensors").exists()
+    assert (run / "reward_curve.png").exists() and (run / "samples_0002.png").exists()
+    trained = fgc.load_toy(args, torch.device("cpu"))
+    fgc.add_lora(trained, args)
+    from peft.utils import set_peft_model_state_dict
+    set_peft_model_state_dict(trained.net, torch.load(run / "checkpoint.pt", weights_only=False)["lora"])
+    fresh = fgc.load_toy(args, torch.device("cpu"))
+    fresh.net.load_lora_adapter(str(run / "lora"), prefix="unet", weight_name="pytorch_lora_weights.safetensors")
+    base = fgc.load_toy(args, torch.device("cpu"))
+    x, t = torch.randn(2, 3, fgc.RES, fgc.RES), torch.tensor([0.7, 0.3])
+    cond = trained.encode(["a red circle", "two squares"])
+    with torch.no_grad():
+        v_trained, v_fresh, v_base = (p.velocity(x, t, cond) for p in (trained, fresh, base))
+    torch.testing.assert_close(v_fresh, v_trained, atol=1e-5, rtol=1e-4)
+    assert (v_trained - v_base).abs().max() > 1e-4, "the adapter changed the model"
