@@ -48,6 +48,7 @@ import math
 import os
 import random
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,7 +103,7 @@ class Args:
     """Every tunable number of a run. Each field's docstring is its --help text."""
 
     method: str = "flow_grpo"
-    """credit-assignment method: flow_grpo, stepwise, tempflow, g2rpo or chunk"""
+    """credit-assignment method: flow_grpo, stepwise, tempflow, g2rpo, chunk, or all (compare them)"""
     model: str = "toy"
     """'toy' (the embedded shapes world)"""
     iterations: int = 64
@@ -163,7 +164,7 @@ class Args:
     """stepwise: ODE sub-steps from each state to t=0 for its intermediate reward (1 = plain Tweedie)"""
     seeds: int = 2
     """tempflow: initial noises per prompt; each seed and bifurcation step holds group_size branches"""
-    branch_steps: int = 0
+    branch_steps: int = 3
     """tempflow/g2rpo: branch points used per iteration, drawn at random (0 = all of the method's)"""
     granularities: str = "1,2,3"
     """g2rpo: continuation granularities Lambda (every lambda-th grid node after the SDE step)"""
@@ -189,6 +190,8 @@ class Args:
     """write checkpoint.pt every N iterations (and at the end); --resume RUN_DIR continues from it"""
     max_nonfinite: int = 3
     """stop after this many iterations in a row with non-finite rewards, advantages or loss"""
+    compare_seeds: str = "0"
+    """--method all: the seeds every method is run with, e.g. 0,1,2"""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1075,7 +1078,7 @@ def resolve_device(name: str) -> torch.device:
 def validate(args: Args) -> None:
     """Every bad input becomes one UsageError naming the flag and what is valid, before any file is written."""
     if args.method not in METHODS:
-        raise UsageError(f"unknown --method {args.method!r}; choose one of {', '.join(METHODS)}")
+        raise UsageError(f"unknown --method {args.method!r}; choose one of {', '.join(METHODS)} (or all)")
     if args.sde not in SDE_KINDS:
         raise UsageError(f"unknown --sde {args.sde!r}; choose one of {', '.join(SDE_KINDS)}")
     checks = [("iterations", args.iterations >= 1, ">= 1"), ("group-size", args.group_size >= 2, ">= 2"),
@@ -1267,7 +1270,8 @@ def save_grid(images: torch.Tensor, metas: list[dict], verdicts: torch.Tensor, p
                 i = idx[col]
                 ax.imshow(images[i].permute(1, 2, 0).cpu().numpy(), interpolation="nearest")
                 ok = bool(verdicts[i])
-                ax.set_title(("✓ " if ok else "✗ ") + metas[i]["prompt"], fontsize=6, color="green" if ok else "red")
+                label = textwrap.fill(("✓ " if ok else "✗ ") + metas[i]["prompt"], 24)
+                ax.set_title(label, fontsize=6, color="green" if ok else "red")
         axes[row, 0].text(-0.1, 0.5, tag, transform=axes[row, 0].transAxes, rotation=90, va="center", ha="right", fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -1295,6 +1299,62 @@ def plot_curves(history: list[dict], path: Path, label: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def compare(args: Args) -> Path:
+    """`--method all`: every method with the same seeds, settings and iterations; writes
+    comparison.md (toy-GenEval at the end, at an equal wall-clock budget and at an equal nfe budget,
+    mean and spread over seeds) and comparison.png (held-out score against iteration, wall-clock, nfe)."""
+    seeds = parse_seeds(args.compare_seeds)
+    validate(dataclasses.replace(args, method="flow_grpo"))
+    folder = Path(args.out) / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    runs = {m: [[h for h in train(dataclasses.replace(args, method=m, seed=s, out=str(folder))) if "eval_overall" in h]
+                for s in seeds] for m in METHODS}
+    last = [evals[-1] for per_seed in runs.values() for evals in per_seed]
+    budgets = {"wall_s": min(e["wall_s"] for e in last), "nfe": min(e["nfe"] for e in last)}
+
+    def at(evals, key):  # the last evaluation within the budget
+        return [e for e in evals if e[key] <= budgets[key]][-1]["eval_overall"]
+
+    def cell(values):
+        return f"{np.mean(values):.3f} ± {np.std(values):.3f}"
+
+    rows = ["| method | base | final | at equal wall-clock | at equal nfe | wall_s | nfe |", "|---|---|---|---|---|---|---|"]
+    for m, per_seed in runs.items():
+        rows.append(f"| {m} | {cell([e[0]['eval_overall'] for e in per_seed])} | {cell([e[-1]['eval_overall'] for e in per_seed])} | "
+                    f"{cell([at(e, 'wall_s') for e in per_seed])} | {cell([at(e, 'nfe') for e in per_seed])} | "
+                    f"{np.mean([e[-1]['wall_s'] for e in per_seed]):.0f} | {np.mean([e[-1]['nfe'] for e in per_seed]):.3g} |")
+    note = (f"Held-out toy-GenEval overall, mean ± std over seeds {seeds}; {args.iterations} iterations each. "
+            f"Budgets: {budgets['wall_s']:.0f} s of training wall-clock, {budgets['nfe']:.3g} forward passes "
+            "(the smallest final value over all runs); a method is scored at its last evaluation within the budget.")
+    (folder / "comparison.md").write_text(note + "\n\n" + "\n".join(rows) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    for m, per_seed in runs.items():
+        n = min(len(e) for e in per_seed)
+        score = np.mean([[x["eval_overall"] for x in e[:n]] for e in per_seed], 0)
+        for ax, key in zip(axes, ("iteration", "wall_s", "nfe")):
+            ax.plot(np.mean([[x[key] for x in e[:n]] for e in per_seed], 0), score, marker="o", ms=3, label=m)
+    for ax, key in zip(axes, ("iteration", "training wall-clock (s)", "forward passes (nfe)")):
+        ax.set(xlabel=key, ylabel="toy-GenEval overall")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(folder / "comparison.png", dpi=110)
+    plt.close(fig)
+    print((folder / "comparison.md").read_text())
+    return folder
+
+
+def parse_seeds(text: str) -> list[int]:
+    try:
+        return [int(p) for p in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--compare-seeds must be integers like 0,1,2, got {text!r}") from None
 
 
 def save_lora(policy, folder: Path) -> None:
@@ -1370,7 +1430,7 @@ def argparse_defaults_none(parser):
 def main(argv=None) -> int:
     try:
         args, resume = parse_args(argv)
-        train(args, resume)
+        compare(args) if args.method == "all" else train(args, resume)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
