@@ -191,7 +191,7 @@ class Args:
     max_nonfinite: int = 3
     """stop after this many iterations in a row with non-finite rewards, advantages or loss"""
     compare_seeds: str = "0"
-    """--method all: the seeds every method is run with, e.g. 0,1,2"""
+    """with --method all (or a list a,b): the seeds every method runs with, e.g. 0,1,2"""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -514,7 +514,9 @@ def load_toy(args: Args, device) -> ToyPolicy:
 
     folder = toy_cache_dir(args)
     if not (folder / "done").exists():
+        start = time.time()
         policy = pretrain_toy(args, device)
+        print(f"pretrained the toy model in {time.time() - start:.0f} s; cached in {folder}")
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
         policy.net.save_pretrained(tmp / "unet")
         policy.text_encoder.save_pretrained(tmp / "text_encoder")
@@ -689,16 +691,20 @@ def transitions_from(traj: Trajectory, prompt: torch.Tensor, advantage: torch.Te
     """Select the trained transitions of a trajectory batch. advantage, weight, chunk: (B, S) or None;
     trained: (S,) bool; first_step: index on the base grid of the trajectory's first transition."""
     b, s = traj.log_probs.shape
-    keep = torch.as_tensor(trained, dtype=torch.bool, device=traj.states.device).expand(b, s)  # (B, S)
-    steps = torch.arange(s, device=keep.device).expand(b, s)
+    dev = traj.states.device
+
+    def per_step(value, default):  # scalar, (S,), (B, 1) or (B, S) -> (B, S) on the states' device
+        return torch.as_tensor(default if value is None else value, device=dev).expand(b, s)
+
+    keep = per_step(trained, True).bool()  # (B, S)
     return Transitions(
         x=traj.states[:, :-1][keep], x_next=traj.states[:, 1:][keep],
         t=traj.times[:, :-1][keep], t_next=traj.times[:, 1:][keep],
         log_prob=traj.log_probs[keep], std=traj.stds[keep],
-        prompt=prompt[:, None].expand(b, s)[keep], advantage=advantage.expand(b, s)[keep],
-        weight=(torch.ones(b, s, device=keep.device) if weight is None else weight.expand(b, s))[keep],
-        chunk=(torch.arange(b * s, device=keep.device).view(b, s) if chunk is None else chunk)[keep],
-        step=(steps + first_step)[keep])
+        prompt=per_step(prompt.to(dev)[:, None], 0)[keep], advantage=per_step(advantage, 0.0)[keep].float(),
+        weight=per_step(weight, 1.0)[keep].float(),
+        chunk=per_step(chunk, torch.arange(b * s, device=dev).view(b, s))[keep],
+        step=per_step(torch.arange(s, device=dev) + first_step, 0)[keep])
 
 
 @dataclass
@@ -734,7 +740,7 @@ class Context:
     def advantages(self, r: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
         """Group-relative advantage (r - mean_g) / (std_g + 1e-4), population std (METHODS §1.5).
         A group whose rewards are all equal gets zero advantages (counted in zero_std_frac)."""
-        _, inv = torch.unique(group, return_inverse=True)
+        _, inv = torch.unique(group.to(r.device), return_inverse=True)
         n = torch.zeros(int(inv.max()) + 1, device=r.device).index_add_(0, inv, torch.ones_like(r))
         mean = torch.zeros_like(n).index_add_(0, inv, r) / n
         var = torch.zeros_like(n).index_add_(0, inv, (r - mean[inv]) ** 2) / n
@@ -851,7 +857,7 @@ def g2rpo(ctx: Context):
     for k in branch_points(ctx, first_half):
         child_prompt = repeat(prompt, g)  # (B*G,)
         sde = ctx.rollout(child_prompt, repeat(anchor.states[:, k], g), ctx.grid[k:k + 2], [True])
-        adv = torch.zeros(b * g)
+        adv = torch.zeros(b * g, device=sde.states.device)  # (B*G,) fused over granularities
         for lam in parse_granularities(ctx.args.granularities):
             coarse = continuation_grid(ctx.grid, k + 1, lam)
             end = ctx.rollout(child_prompt, sde.states[:, -1], coarse, [False] * (len(coarse) - 1))
@@ -882,12 +888,13 @@ def chunk(ctx: Context):
     keep = trainable.expand(b * g, s).clone()  # (B*G, S)
     n_train = max(1, int(len(sizes) * ctx.args.chunk_fraction))
     if n_train < len(sizes):
-        rel = relative_l1(traj.states)  # (B*G, S)
+        rel = relative_l1(traj.states).cpu()  # (B*G, S)
         per_chunk = torch.stack([rel[:, of_step == j].mean(1) for j in range(len(sizes))], 1)  # (B*G, K)
         w = per_chunk + 1e-8 if ctx.args.weighted_chunks else torch.ones_like(per_chunk)
         chosen = torch.multinomial(w, n_train, generator=ctx.gen)  # (B*G, n_train)
         picked = torch.zeros_like(per_chunk, dtype=torch.bool).scatter_(1, chosen, True)
-        keep &= torch.cat([picked, torch.zeros(b * g, 1, dtype=torch.bool)], 1)[:, of_step]
+        never = torch.zeros(b * g, 1, dtype=torch.bool)  # column K answers of_step = -1 (untrained steps)
+        keep &= torch.cat([picked, never], 1)[:, of_step]
     chunk_id = torch.arange(b * g)[:, None] * len(sizes) + of_step.clamp_min(0)  # (B*G, S)
     return transitions_from(traj, prompt, adv, keep, chunk=chunk_id), r
 
@@ -1201,7 +1208,10 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
     log.close()
     save_lora(policy, run / "lora")
     plot_curves(history, run / "reward_curve.png", args.method)
-    print(f"done: {run}")
+    evals = [h for h in history if "eval_overall" in h]
+    print(f"done: {run}\ntoy-GenEval overall {evals[0]['eval_overall']:.3f} -> {evals[-1]['eval_overall']:.3f} "
+          f"({evals[-1]['eval_overall'] - evals[0]['eval_overall']:+.3f}) in {wall / 60:.1f} min of training, "
+          f"{meter.nfe:.3g} forward passes")
     return history
 
 
@@ -1302,14 +1312,17 @@ def plot_curves(history: list[dict], path: Path, label: str) -> None:
 
 
 def compare(args: Args) -> Path:
-    """`--method all`: every method with the same seeds, settings and iterations; writes
+    """`--method all` (or a list such as flow_grpo,chunk, or several --compare-seeds): the methods with
+    the same seeds, settings and iterations; writes
     comparison.md (toy-GenEval at the end, at an equal wall-clock budget and at an equal nfe budget,
     mean and spread over seeds) and comparison.png (held-out score against iteration, wall-clock, nfe)."""
     seeds = parse_seeds(args.compare_seeds)
-    validate(dataclasses.replace(args, method="flow_grpo"))
+    methods = list(METHODS) if args.method == "all" else args.method.split(",")
+    for m in methods:
+        validate(dataclasses.replace(args, method=m))
     folder = Path(args.out) / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
     runs = {m: [[h for h in train(dataclasses.replace(args, method=m, seed=s, out=str(folder))) if "eval_overall" in h]
-                for s in seeds] for m in METHODS}
+                for s in seeds] for m in methods}
     last = [evals[-1] for per_seed in runs.values() for evals in per_seed]
     budgets = {"wall_s": min(e["wall_s"] for e in last), "nfe": min(e["nfe"] for e in last)}
 
@@ -1430,7 +1443,8 @@ def argparse_defaults_none(parser):
 def main(argv=None) -> int:
     try:
         args, resume = parse_args(argv)
-        compare(args) if args.method == "all" else train(args, resume)
+        several = args.method == "all" or "," in args.method or "," in args.compare_seeds
+        compare(args) if several and not resume else train(args, resume)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -166,7 +166,7 @@ def test_stepwise_shares_noise_within_a_group_and_trains_each_step():
 
 
 def test_tempflow_weights_average_one_and_advantages_are_zero_mean_per_seed_and_step():
-    ctx = ctx_for({"method": "tempflow"})
+    ctx = ctx_for({"method": "tempflow", "branch_steps": 0})
     tr, _ = fgc.tempflow(ctx)
     steps = torch.unique(tr.step)
     weights = torch.stack([tr.weight[tr.step == k][0] for k in steps])
@@ -178,7 +178,7 @@ def test_tempflow_weights_average_one_and_advantages_are_zero_mean_per_seed_and_
 
 
 def test_g2rpo_branches_share_the_ode_anchor_and_single_granularity_is_singular_sampling():
-    ctx = ctx_for({"method": "g2rpo", "granularities": "1"})
+    ctx = ctx_for({"method": "g2rpo", "granularities": "1", "branch_steps": 0})
     tr, _ = fgc.g2rpo(ctx)
     noise = fgc.initial_noise(ctx.policy, 2, fgc.generator("cpu", 0))  # the same first draw as the method's
     anchor = fgc.rollout(ctx.policy, ctx.cond, noise, ctx.grid, [False] * 6, ctx.args, fgc.Meter())
@@ -242,7 +242,7 @@ def test_first_inner_step_is_on_policy_for_every_method(method):
 
 
 def test_nfe_counts_every_forward_pass():
-    ctx = ctx_for({"method": "g2rpo", "granularities": "1,2"})
+    ctx = ctx_for({"method": "g2rpo", "granularities": "1,2", "branch_steps": 0})
     fgc.g2rpo(ctx)
     # anchor 6 steps x 2 prompts; k in {0,1,2}: 8 branches x (1 SDE step + (5-k) + coarse lambda=2 steps)
     coarse = sum(len(fgc.continuation_grid(ctx.grid, k + 1, 2)) - 1 for k in range(3))
@@ -401,3 +401,21 @@ def test_a_short_grpo_run_raises_the_reward_of_its_prompts():
     after = ode_reward()
     print(f"dense reward of the trained prompts: {before:.3f} -> {after:.3f}")
     assert after > before + 0.05
+
+
+def test_method_all_writes_a_table_scored_within_equal_budgets(tiny_cache, tmp_path):
+    args = tiny_args(tiny_cache, tmp_path, method="all", iterations=2, eval_every=1, compare_seeds="0,1",
+                     branch_steps=1, tweedie_substeps=1)
+    folder = fgc.compare(args)
+    table = (folder / "comparison.md").read_text()
+    assert all(f"| {m} |" in table for m in fgc.METHOD_NAMES) and (folder / "comparison.png").exists()
+    runs = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            for run in sorted(folder.iterdir()) if run.is_dir()]
+    assert len(runs) == 10
+    evals = [[h for h in run if "eval_overall" in h] for run in runs]
+    nfe_budget = min(e[-1]["nfe"] for e in evals)
+    assert f"{nfe_budget:.3g} forward passes" in table
+    stepwise_runs = [e for run, e in zip(sorted(folder.iterdir()), evals) if run.name.startswith("stepwise")]
+    within = [[x for x in e if x["nfe"] <= nfe_budget][-1]["eval_overall"] for e in stepwise_runs]
+    row = next(line for line in table.splitlines() if line.startswith("| stepwise |"))
+    assert row.split("|")[5].strip() == f"{np.mean(within):.3f} ± {np.std(within):.3f}"
