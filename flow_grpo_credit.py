@@ -106,7 +106,7 @@ class Args:
     """credit-assignment method: flow_grpo, stepwise, tempflow, g2rpo, chunk, or all (compare them)"""
     model: str = "toy"
     """'toy' (the embedded shapes world)"""
-    iterations: int = 64
+    iterations: int = 56
     """GRPO iterations (sample, score, update)"""
     prompts_per_iter: int = 8
     """prompts sampled per iteration"""
@@ -138,6 +138,8 @@ class Args:
     """global gradient-norm clip"""
     inner_updates: int = 8
     """optimizer steps per iteration (the samples are split into this many minibatches)"""
+    train_fraction: float = 1.0
+    """fraction of the sampled transitions (chunks) trained on, drawn at random (DanceGRPO's timestep fraction)"""
     clip_range: float = 1e-3
     """PPO clip epsilon; small because the log-prob is a mean over dimensions"""
     adv_clip: float = 5.0
@@ -1032,10 +1034,12 @@ class adapter_disabled:
 
 
 def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Generator) -> dict:
-    """Inner PPO updates: chunks shuffled and split into `inner_updates` minibatches, one AdamW step
-    each (after global grad-norm clipping). The first minibatch is exactly on-policy (ratio 1)."""
+    """Inner PPO updates: chunks (single transitions unless the method groups them) are shuffled, a
+    `train_fraction` of them kept, and split into `inner_updates` minibatches, one AdamW step each
+    (after global grad-norm clipping). The first minibatch is exactly on-policy (ratio 1)."""
     ids = torch.unique(tr.chunk)
     order = ids[torch.randperm(len(ids), generator=gen, device=gen.device).cpu()]
+    order = order[: max(1, round(len(order) * args.train_fraction))]  # DanceGRPO's timestep fraction
     params = [p for p in policy.net.parameters() if p.requires_grad]
     stats = []
     policy.net.train()
@@ -1096,7 +1100,8 @@ def validate(args: Args) -> None:
               ("inner-updates", args.inner_updates >= 1, ">= 1"), ("seeds", args.seeds >= 1, ">= 1"),
               ("tweedie-substeps", args.tweedie_substeps >= 1, ">= 1"), ("guidance", args.guidance >= 1, ">= 1"),
               ("noise-level", args.noise_level > 0, "> 0"), ("ddim-eta", 0 < args.ddim_eta <= 1, "in (0, 1]"),
-              ("chunk-fraction", 0 < args.chunk_fraction <= 1, "in (0, 1]"), ("num-chunks", args.num_chunks >= 1, ">= 1"),
+              ("chunk-fraction", 0 < args.chunk_fraction <= 1, "in (0, 1]"),
+              ("train-fraction", 0 < args.train_fraction <= 1, "in (0, 1]"), ("num-chunks", args.num_chunks >= 1, ">= 1"),
               ("lora-rank", args.lora_rank >= 1, ">= 1"), ("branch-steps", args.branch_steps >= 0, ">= 0"),
               ("pretrain-steps", args.pretrain_steps >= 1, ">= 1"), ("max-grad-norm", args.max_grad_norm > 0, "> 0"),
               ("checkpoint-every", args.checkpoint_every >= 1, ">= 1"), ("max-nonfinite", args.max_nonfinite >= 1, ">= 1")]

@@ -419,3 +419,17 @@ def test_method_all_writes_a_table_scored_within_equal_budgets(tiny_cache, tmp_p
     within = [[x for x in e if x["nfe"] <= nfe_budget][-1]["eval_overall"] for e in stepwise_runs]
     row = next(line for line in table.splitlines() if line.startswith("| stepwise |"))
     assert row.split("|")[5].strip() == f"{np.mean(within):.3f} ± {np.std(within):.3f}"
+
+
+def test_train_fraction_and_branch_steps_subsample_what_is_trained(monkeypatch):
+    ctx = ctx_for({"train_fraction": 0.5, "inner_updates": 2})
+    tr, _ = fgc.flow_grpo(ctx)
+    seen, real = [], fgc.grpo_loss
+    monkeypatch.setattr(fgc, "grpo_loss", lambda policy, cond, mb, args: (seen.append(len(mb)), real(policy, cond, mb, args))[1])
+    params = [p for p in ctx.policy.net.parameters() if p.requires_grad]
+    saved = [p.detach().clone() for p in params]
+    fgc.update(ctx.policy, torch.optim.SGD(params, lr=0.0), ctx.cond, tr, ctx.args, fgc.generator("cpu", 2))
+    assert len(seen) == 2 and sum(seen) == round(len(tr) * 0.5)
+    assert all(torch.equal(p, s) for p, s in zip(params, saved))
+    tr, _ = fgc.tempflow(ctx_for({"method": "tempflow", "branch_steps": 2}))
+    assert len(torch.unique(tr.step)) == 2
