@@ -525,7 +525,7 @@ def load_toy(args: Args, device) -> ToyPolicy:
         policy.tokenizer.save_pretrained(tmp / "tokenizer")
         (tmp / "done").write_text("ok\n")
         tmp.replace(folder) if not folder.exists() else None
-        return policy
+        # fall through and load what was saved, so every run starts from bit-identical weights
     from transformers import PreTrainedTokenizerFast
     unet = UNet2DConditionModel.from_pretrained(folder / "unet").to(device).eval()
     text_encoder = CLIPTextModel.from_pretrained(folder / "text_encoder").to(device).eval()
@@ -1379,10 +1379,11 @@ def save_lora(policy, folder: Path) -> None:
     """The LoRA adapter in diffusers format (pytorch_lora_weights.safetensors) that
     `load_lora_adapter` / `pipe.load_lora_weights` read."""
     from diffusers import StableDiffusionPipeline
-    from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
 
-    layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(policy.net))
+    # peft-format keys: diffusers' old-format conversion would rename only the attention layers and
+    # leave the conv LoRA keys as they are, a mix its own loader then rejects
+    layers = get_peft_model_state_dict(policy.net)
     StableDiffusionPipeline.save_lora_weights(folder, unet_lora_layers=layers, safe_serialization=True)
 
 
