@@ -38,6 +38,10 @@ Deviations from the papers (METHODS.md "Project decisions")
     2. Under the `ddim` SDE the first step (t = 1) is deterministic and is not trained.
     3. G2RPO continuations always end exactly at t = 0 (no early-stop Tweedie artefact).
     4. The toy world replaces SD3.5 + GenEval: a 16x16 shapes world with an exact scorer.
+    5. Every method normalises advantages with the group's population std + 1e-4 (the official codes
+       mix global std, torch's unbiased std and 1e-8).
+    6. Chunk-GRPO's automatic chunks split the relative-L1 profile's total variation into equal
+       shares (v1 chose [2,3,4,7] by eye; v3's recursive rule has no stated stopping size).
 """
 from __future__ import annotations
 
