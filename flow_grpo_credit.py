@@ -1405,32 +1405,31 @@ def field_help() -> dict:
             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
 
 
-class _Parser:
-    def __new__(cls):
-        import argparse
+def build_parser():
+    """argparse over the Args fields; errors raise UsageError (one line, exit status 2)."""
+    import argparse
 
-        class Parser(argparse.ArgumentParser):
-            def error(self, message):  # one line, exit status 2, as every other bad input
-                raise UsageError(message)
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise UsageError(message)
 
-        parser = Parser(description="GRPO with credit assignment for flow-matching text-to-image models.")
-        helps = field_help()
-        for f in dataclasses.fields(Args):
-            flag = "--" + f.name.replace("_", "-")
-            if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", help=helps.get(f.name))
-            else:
-                kind = {"int": int, "float": float, "str": str}[str(f.type)]
-                parser.add_argument(flag, type=kind, default=f.default, help=f"{helps.get(f.name)} (default: {f.default})")
-        parser.set_defaults(method=Args.method)
-        return parser
+    parser = Parser(description="GRPO with credit assignment for flow-matching text-to-image models.")
+    helps = field_help()
+    for f in dataclasses.fields(Args):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action="store_true", help=helps.get(f.name))
+        else:
+            kind = {"int": int, "float": float, "str": str}[str(f.type)]
+            parser.add_argument(flag, type=kind, default=f.default, help=f"{helps.get(f.name)} (default: {f.default})")
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    return parser
 
 
 def parse_args(argv=None) -> tuple[Args, str | None]:
     """CLI -> (Args, resume folder). With --resume, the run's saved args are the base and flags given
     on the command line override them (e.g. more --iterations)."""
-    parser = _Parser()
-    parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    parser = build_parser()
     ns = vars(parser.parse_args(argv))
     resume = ns.pop("resume")
     if resume is None:
