@@ -528,7 +528,8 @@ def load_toy(args: Args, device) -> ToyPolicy:
         policy.text_encoder.save_pretrained(tmp / "text_encoder")
         policy.tokenizer.save_pretrained(tmp / "tokenizer")
         (tmp / "done").write_text("ok\n")
-        tmp.replace(folder) if not folder.exists() else None
+        if not folder.exists():  # another process may have finished first; its copy is as good
+            tmp.replace(folder)
         # fall through and load what was saved, so every run starts from bit-identical weights
     from transformers import PreTrainedTokenizerFast
     unet = UNet2DConditionModel.from_pretrained(folder / "unet").to(device).eval()
@@ -754,12 +755,15 @@ class Context:
         self.stats.setdefault("zero_std", []).extend((std < 1e-8).tolist())
         return (r - mean[inv]) / (std[inv] + 1e-4)
 
-    def trainable(self, first: int = 0) -> torch.Tensor:
-        """(S - first,) bool: which transitions of the base grid from step `first` on can be trained:
-        stochastic-capable (std > 0 under the chosen SDE) and not the last one (METHODS §1.4)."""
-        stds = step_stds(self.grid, self.args)
-        s = len(self.grid) - 1
-        return ((stds > 0) & (torch.arange(s) < s - 1))[first:]
+    def trainable(self) -> torch.Tensor:
+        return trainable_steps(self.grid, self.args)
+
+
+def trainable_steps(grid: torch.Tensor, args: Args) -> torch.Tensor:
+    """(S,) bool: which transitions of `grid` can be trained: stochastic-capable (std > 0 under the
+    chosen SDE) and not the last one (METHODS §1.4)."""
+    s = len(grid) - 1
+    return (step_stds(grid, args) > 0) & (torch.arange(s) < s - 1)
 
 
 def step_stds(grid: torch.Tensor, args: Args) -> torch.Tensor:
@@ -1115,7 +1119,7 @@ def validate(args: Args) -> None:
     if args.model != "toy":
         raise UsageError(f"--model {args.model!r} is not supported yet; the toy world is 'toy'")
     parse_granularities(args.granularities)
-    n_trained = int(Context(None, args, None, None, [], {}, time_grid(args.steps), None).trainable().sum())
+    n_trained = int(trainable_steps(time_grid(args.steps), args).sum())
     parse_chunks(args.chunks, n_trained)
     resolve_device(args.device)
 
@@ -1162,7 +1166,7 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
         meter, history, wall, start_it = Meter(**state["meter"]), state["history"], state["wall"], state["iteration"] + 1
     chunk_sizes = None
     if args.method == "chunk":
-        trainable = Context(policy, args, meter, None, [], {}, grid, None).trainable()
+        trainable = trainable_steps(grid, args)
         chunk_sizes = parse_chunks(args.chunks, int(trainable.sum())) or auto_chunk_sizes(policy, args, grid, trainable)
         print(f"chunk sizes over the trained steps: {chunk_sizes}")
     log = (run / "metrics.jsonl").open("w")
@@ -1194,7 +1198,8 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
         transitions, rewards = METHODS[args.method](ctx)
         finite = bool(torch.isfinite(rewards).all() and torch.isfinite(transitions.advantage).all())
         stats = update(policy, opt, ctx.cond, transitions, args, ctx.gen) if finite else {"skipped": 1}
-        meter.forward(policy, len(transitions) * (2 if args.beta > 0 else 1))  # training (+ reference) passes
+        if not stats.get("skipped"):  # training (+ reference) passes actually run
+            meter.forward(policy, len(transitions) * (2 if args.beta > 0 else 1))
         wall += time.time() - start
         bad_in_row = bad_in_row + 1 if stats.get("skipped") else 0
         if bad_in_row:
