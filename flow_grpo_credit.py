@@ -54,6 +54,7 @@ import random
 import sys
 import textwrap
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,7 +110,21 @@ class Args:
     method: str = "flow_grpo"
     """credit-assignment method: flow_grpo, stepwise, tempflow, g2rpo, chunk, or all (compare them)"""
     model: str = "toy"
-    """'toy' (the embedded shapes world)"""
+    """'toy' (the embedded shapes world), or a diffusers folder / hub id of SD3, SD3.5 or FLUX.1"""
+    reward: str = "auto"
+    """toy, pickscore, clip, or a weighted sum such as pickscore:0.7,clip:0.3 (auto: toy on the toy model, else pickscore)"""
+    reward_model: str = ""
+    """CLIP model of the pickscore/clip reward, path or hub id (default: the standard hub ids); name=path,name=path for a sum"""
+    reward_processor: str = ""
+    """CLIPProcessor of the reward model (default: PickScore's is laion/CLIP-ViT-H-14-laion2B-s32B-b79K, else the model's)"""
+    prompts: str = ""
+    """a text file, one prompt a line; every 10th line is held out for evaluation (default: the toy prompts)"""
+    resolution: int = 512
+    """image size of a real model (the toy world is 16 px)"""
+    dtype: str = "auto"
+    """fp32 or bf16 weights of a real model (auto: bf16 on CUDA, fp32 on the CPU); the SDE math stays fp32"""
+    low_memory: bool = False
+    """real models, the 24 GB recipe: gradient checkpointing, text encoders on the CPU between encodings, VAE decoding in slices"""
     iterations: int = 56
     """GRPO iterations (sample, score, update)"""
     prompts_per_iter: int = 8
@@ -150,12 +165,12 @@ class Args:
     """advantages are clamped to [-adv_clip, adv_clip]"""
     beta: float = 0.02
     """weight of the per-step Gaussian KL to the reference (LoRA disabled)"""
-    guidance: float = 1.0
-    """classifier-free guidance scale (1 = no negative branch)"""
-    lora_rank: int = 16
-    """LoRA rank"""
-    lora_alpha: float = 16.0
-    """LoRA alpha (scale = alpha / rank)"""
+    guidance: float = 0.0
+    """guidance scale: real CFG on toy and SD3 (1 = no negative branch), distilled on FLUX (0: toy 1, SD3 4.5, FLUX 3.5)"""
+    lora_rank: int = 0
+    """LoRA rank (0: toy 16, real models 32 as Flow-GRPO)"""
+    lora_alpha: float = 0.0
+    """LoRA alpha, scale = alpha / rank (0: toy 16, real models 64 as Flow-GRPO)"""
 
     # SDE (METHODS §1.2, §4.1)
     sde: str = "flow"
@@ -429,8 +444,14 @@ def build_toy_modules(seed: int):
 class ToyPolicy:
     """Toy text-to-image flow model: pixels in [-1, 1] are the 'latents', decode is an affine map."""
 
-    def __init__(self, unet, text_encoder, tokenizer, guidance: float = 1.0):
-        self.net, self.text_encoder, self.tokenizer, self.guidance = unet, text_encoder, tokenizer, guidance
+    lora_defaults = (16, 16.0)  # (rank, alpha)
+    lora_targets = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2",
+                    "conv1", "conv2"]  # attention, feed-forward and the resnets' convolutions
+
+    def __init__(self, unet, text_encoder, tokenizer, guidance: float = 0.0):
+        self.net, self.text_encoder, self.tokenizer = unet, text_encoder, tokenizer
+        self.guidance = guidance or 1.0
+        self.passes = 2 if self.guidance != 1.0 else 1  # forward passes per denoising step (CFG: 2)
         self.text_encoder.requires_grad_(False)
 
     @property
@@ -468,6 +489,17 @@ class ToyPolicy:
         if not hasattr(self, "_uncond"):
             self._uncond = self.encode([""])
         return {k: v.expand(n, *v.shape[1:]) for k, v in self._uncond.items()}
+
+    def time_grid(self, steps: int) -> torch.Tensor:
+        return time_grid(steps)
+
+    def save_lora(self, folder: Path) -> None:
+        """The adapter in diffusers' LoRA format, which `unet.load_lora_adapter` reads. Keys stay in peft
+        format: diffusers' old-format conversion renames only the attention layers and would leave the
+        conv LoRA keys as they are, a mix its own loader then rejects."""
+        from diffusers import StableDiffusionPipeline
+
+        StableDiffusionPipeline.save_lora_weights(folder, unet_lora_layers=lora_layers(self.net))
 
 
 def toy_cache_dir(args: Args) -> Path:
@@ -536,6 +568,230 @@ def load_toy(args: Args, device) -> ToyPolicy:
     text_encoder = CLIPTextModel.from_pretrained(folder / "text_encoder").to(device).eval()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(folder / "tokenizer")
     return ToyPolicy(unet, text_encoder, tokenizer, args.guidance)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4 Real models (SD3 / SD3.5, FLUX.1) and CLIP-family rewards
+#
+# The same policy interface over a diffusers pipeline: the latents are the VAE's (packed 2x2 for
+# FLUX), the denoiser is the pipeline's transformer, the time grid is its scheduler's (shifted sigmas).
+
+REAL_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+CLIP_DEFAULTS = {"pickscore": ("yuvalkirstain/PickScore_v1", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"),
+                 "clip": ("openai/clip-vit-large-patch14", "")}
+
+
+class PipelinePolicy:
+    """SD3 / SD3.5 (real CFG with a negative branch) or FLUX.1 (guidance-distilled: the scale is an
+    input of the transformer, one forward pass a step) as a policy."""
+
+    lora_defaults = (32, 64.0)  # Flow-GRPO's r and alpha on SD3.5
+    lora_targets = REAL_LORA_TARGETS  # the transformer's attention projections (joint blocks included)
+
+    def __init__(self, pipe, args: Args, device):
+        from diffusers import FluxPipeline
+
+        self.pipe, self.net, self.size, self.low_memory = pipe, pipe.transformer, args.resolution, args.low_memory
+        self.flux = isinstance(pipe, FluxPipeline)
+        self.guidance = args.guidance or (3.5 if self.flux else 4.5)
+        self.passes = 2 if self.guidance != 1.0 and not self.flux else 1
+        self.dtype = self.net.dtype
+        self.cache = {}  # prompt -> its embeddings: each prompt is encoded once
+        pipe.text_encoder.requires_grad_(False)
+        self.net.to(device).requires_grad_(False)
+        pipe.vae.to(device).requires_grad_(False)
+        if args.low_memory:
+            self.net.enable_gradient_checkpointing()
+        encoders = [getattr(pipe, n) for n in ("text_encoder", "text_encoder_2", "text_encoder_3") if getattr(pipe, n, None)]
+        for enc in encoders:
+            enc.to("cpu" if args.low_memory else device)
+        self.encoders = encoders
+
+    @property
+    def device(self):
+        return self.net.device
+
+    def latent_shape(self, n: int) -> tuple:
+        c, h = self.net.config.in_channels, self.size // self.pipe.vae_scale_factor
+        return (n, (h // 2) ** 2, c) if self.flux else (n, c, h, h)  # FLUX: 2x2 patches packed into tokens
+
+    def time_grid(self, steps: int) -> torch.Tensor:
+        """(steps + 1,) sigmas as the pipeline sets them: SD3's static shift, FLUX's resolution-dependent one."""
+        import copy
+
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        scheduler, cfg = copy.deepcopy(self.pipe.scheduler), self.pipe.scheduler.config
+        if cfg.get("use_dynamic_shifting"):
+            mu = calculate_shift(self.latent_shape(1)[1], cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+                                 cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
+            scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+        else:
+            scheduler.set_timesteps(steps)
+        return scheduler.sigmas.float().cpu()
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> dict:
+        """Embeddings of each prompt, computed once and kept (with --low-memory the text encoders
+        visit the device only for this)."""
+        new = [p for p in dict.fromkeys(prompts) if p not in self.cache]
+        if new:
+            dev = self.device
+            for enc in self.encoders:
+                enc.to(dev)
+            if self.flux:
+                emb, pooled, _ = self.pipe.encode_prompt(new, new, device=dev, max_sequence_length=512)
+                neg, neg_pooled = emb, pooled  # unused: FLUX has no negative branch
+            else:
+                emb, neg, pooled, neg_pooled = self.pipe.encode_prompt(new, new, new, device=dev,
+                                                                       do_classifier_free_guidance=True)
+            for i, p in enumerate(new):
+                self.cache[p] = {"encoder_hidden_states": emb[i], "pooled_projections": pooled[i]}
+            self.cache.setdefault("", {"encoder_hidden_states": neg[0], "pooled_projections": neg_pooled[0]})
+            for enc in self.encoders:
+                enc.to("cpu" if self.low_memory else dev)
+        return {k: torch.stack([self.cache[p][k] for p in prompts]) for k in self.cache[prompts[0]]}
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        kw = {"hidden_states": x.to(self.dtype), "return_dict": False,
+              **{k: v.to(self.dtype) for k, v in cond.items()}}
+        if self.flux:  # FLUX takes t in [0, 1], positions of text and image tokens, and the guidance scale
+            h = self.size // self.pipe.vae_scale_factor // 2
+            kw |= {"timestep": t.to(self.dtype), "txt_ids": torch.zeros(cond["encoder_hidden_states"].shape[1], 3, device=x.device),
+                   "img_ids": self.pipe._prepare_latent_image_ids(1, h, h, x.device, self.dtype)}
+            if self.net.config.guidance_embeds:
+                kw["guidance"] = torch.full((len(x),), self.guidance, device=x.device, dtype=self.dtype)
+        else:
+            kw["timestep"] = t * 1000
+        return self.net(**kw)[0].float()
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        """v(x_t, t, c); on SD3 with CFG, the unconditional branch without gradient (as the toy)."""
+        v = self.forward(x, t, cond)
+        if self.flux or self.guidance == 1.0:
+            return v
+        with torch.no_grad():
+            v_uncond = self.forward(x, t, {k: torch.stack([u] * len(x)) for k, u in self.cache[""].items()})
+        return v_uncond + self.guidance * (v - v_uncond)
+
+    @torch.no_grad()
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """Latents -> images (N, 3, H, W) in [0, 1]; the VAE decodes 4 at a time with --low-memory."""
+        vae = self.pipe.vae
+        if self.flux:
+            x = self.pipe._unpack_latents(x, self.size, self.size, self.pipe.vae_scale_factor)
+        x = x / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+        parts = x.split(4 if self.low_memory else len(x))
+        return torch.cat([vae.decode(p.to(vae.dtype)).sample.float() for p in parts]).add(1).div(2).clamp(0, 1)
+
+    def save_lora(self, folder: Path) -> None:
+        """`pytorch_lora_weights.safetensors` in diffusers' format, which `pipe.load_lora_weights` reads."""
+        type(self.pipe).save_lora_weights(folder, transformer_lora_layers=lora_layers(self.net))
+
+
+def lora_layers(net) -> dict:
+    """The adapter's weights with the scale alpha/r folded into lora_B: loaders that do not read alpha
+    from the file (they assume alpha = r) then reproduce the trained model exactly."""
+    from peft.utils import get_peft_model_state_dict
+
+    config = net.peft_config["default"]
+    scale = config.lora_alpha / config.r
+    return {k: v * scale if "lora_B" in k else v for k, v in get_peft_model_state_dict(net).items()}
+
+
+def load_pipeline(args: Args, device) -> PipelinePolicy:
+    """A diffusers SD3 / SD3.5 / FLUX.1 pipeline from a folder or hub id (offline caches work)."""
+    from diffusers import DiffusionPipeline, FluxPipeline, StableDiffusion3Pipeline
+
+    if Path(args.model).exists() and not (Path(args.model) / "model_index.json").exists():
+        raise UsageError(f"--model {args.model}: no model_index.json there; a diffusers pipeline folder is expected")
+    dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda") else torch.float32
+    try:
+        with warnings.catch_warnings():  # newer diffusers call it `dtype`; `torch_dtype` works in every version
+            warnings.simplefilter("ignore", FutureWarning)
+            pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--model {args.model!r}: not a diffusers folder or reachable hub id "
+                         f"({str(e).splitlines()[0][:160]})") from None
+    if not isinstance(pipe, (StableDiffusion3Pipeline, FluxPipeline)):
+        raise UsageError(f"--model {args.model!r} is a {type(pipe).__name__}; expected a StableDiffusion3Pipeline or FluxPipeline")
+    return PipelinePolicy(pipe, args, device)
+
+
+def load_policy(args: Args, device):
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()  # loading bars of tiny files are noise on stderr
+    transformers.utils.logging.disable_progress_bar()
+    return load_toy(args, device) if args.model == "toy" else load_pipeline(args, device)
+
+
+class ClipReward:
+    """A CLIP-family reward on the device, batched, from decoded image tensors (no PNG round trip):
+
+    pickscore: s = exp(logit_scale) * cos(E_img, E_txt) (Kirstain et al. 2023), divided by 26 as
+               Flow-GRPO does to bring it near [0, 1];
+    clip:      CLIPScore = 2.5 * max(cos(E_img, E_txt), 0) (Hessel et al. 2021)."""
+
+    def __init__(self, kind: str, model: str, processor: str, device):
+        from transformers import AutoConfig, CLIPModel, CLIPProcessor
+
+        processor = processor or ("" if model else CLIP_DEFAULTS[kind][1])  # a given model brings its processor
+        model = model or CLIP_DEFAULTS[kind][0]
+        processor = processor or model
+        try:
+            model_type = AutoConfig.from_pretrained(model).model_type
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--reward-model {model!r}: cannot load it ({str(e).splitlines()[0][:160]})") from None
+        if model_type != "clip":
+            raise UsageError(f"--reward-model {model!r} is a {model_type!r} model; {kind} needs a CLIP model (CLIPModel)")
+        self.kind, self.model = kind, CLIPModel.from_pretrained(model).to(device).eval().requires_grad_(False)
+        self.processor = CLIPProcessor.from_pretrained(processor)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, metas: list[dict]) -> torch.Tensor:
+        ip = self.processor.image_processor
+        crop = ip.crop_size  # an int, a dict or (transformers 5) a SizeDict
+        size = crop if isinstance(crop, int) else crop["height"] if isinstance(crop, dict) else crop.height
+        pixels = F.interpolate(images.float(), size=(size, size), mode="bicubic", antialias=True)  # square images
+        mean, std = (torch.tensor(v, device=images.device).view(1, 3, 1, 1) for v in (ip.image_mean, ip.image_std))
+        text = self.processor.tokenizer([m["prompt"] for m in metas], padding=True, truncation=True,
+                                        max_length=min(77, self.processor.tokenizer.model_max_length), return_tensors="pt").to(self.model.device)
+        out = self.model(pixel_values=((pixels - mean) / std).to(self.model.device), **text)
+        if self.kind == "pickscore":
+            return out.logits_per_image.diag() / 26
+        return 2.5 * (out.image_embeds * out.text_embeds).sum(-1).clamp_min(0)
+
+
+def parse_reward(spec: str) -> list[tuple[str, float]]:
+    """'pickscore:0.7,clip:0.3' -> [('pickscore', 0.7), ('clip', 0.3)]; a bare name weighs 1."""
+    terms = []
+    for part in spec.split(","):
+        name, _, weight = part.strip().partition(":")
+        try:
+            terms.append((name, float(weight) if weight else 1.0))
+        except ValueError:
+            raise UsageError(f"--reward {spec!r}: weights must be numbers, as in pickscore:0.7,clip:0.3") from None
+        if name not in ("toy", *CLIP_DEFAULTS):
+            raise UsageError(f"--reward {spec!r}: unknown reward {name!r}; choose toy, pickscore, clip or a sum like pickscore:0.7,clip:0.3")
+    return terms
+
+
+def reward_spec(args: Args) -> str:
+    return args.reward if args.reward != "auto" else "toy" if args.model == "toy" else "pickscore"
+
+
+def build_reward(args: Args, device):
+    """(images (N, 3, H, W) in [0, 1], metas) -> rewards (N,): the weighted sum the --reward spec names."""
+    terms = parse_reward(reward_spec(args))
+    if [n for n, _ in terms] == ["toy"]:
+        return toy_reward
+    named = dict(p.split("=", 1) for p in args.reward_model.split(",") if "=" in p)
+    fns = {n: toy_reward if n == "toy" else ClipReward(n, named.get(n, "" if named else args.reward_model),
+                                                      args.reward_processor if len(terms) == 1 else "", device)
+           for n, _ in terms}
+    return lambda images, metas: sum(w * fns[n](images, metas) for n, w in terms)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -619,7 +875,7 @@ class Meter:
     reward_calls: int = 0
 
     def forward(self, policy, n: int) -> None:
-        self.nfe += n * (2 if policy.guidance != 1.0 else 1)
+        self.nfe += n * policy.passes
 
 
 @dataclass
@@ -1069,19 +1325,19 @@ def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Gene
 # ----------------------------------------------------------------------------------------------------
 # 9 Train loop
 
-TOY_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2",
-                    "conv1", "conv2"]
-
-
 def add_lora(policy, args: Args) -> list[torch.nn.Parameter]:
     """LoRA through peft on the denoiser (diffusers' add_adapter); the base weights are frozen."""
     from peft import LoraConfig
 
     torch.manual_seed(stable_seed(args.seed, "lora"))
     policy.net.requires_grad_(False)
-    policy.net.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian",
-                                      target_modules=TOY_LORA_TARGETS))
-    return [p for p in policy.net.parameters() if p.requires_grad]
+    rank, alpha = args.lora_rank or policy.lora_defaults[0], args.lora_alpha or policy.lora_defaults[1]
+    policy.net.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian",
+                                      target_modules=policy.lora_targets))
+    params = [p for p in policy.net.parameters() if p.requires_grad]
+    for p in params:  # the adapter trains in fp32 even on a bf16 model
+        p.data = p.data.float()
+    return params
 
 
 def resolve_device(name: str) -> torch.device:
@@ -1106,18 +1362,26 @@ def validate(args: Args) -> None:
               ("eval-per-tag", args.eval_per_tag >= 1, ">= 1"), ("lr", args.lr > 0, "> 0"),
               ("clip-range", args.clip_range > 0, "> 0"), ("beta", args.beta >= 0, ">= 0"),
               ("inner-updates", args.inner_updates >= 1, ">= 1"), ("seeds", args.seeds >= 1, ">= 1"),
-              ("tweedie-substeps", args.tweedie_substeps >= 1, ">= 1"), ("guidance", args.guidance >= 1, ">= 1"),
+              ("tweedie-substeps", args.tweedie_substeps >= 1, ">= 1"), ("guidance", args.guidance == 0 or args.guidance >= 1, "0 or >= 1"),
               ("noise-level", args.noise_level > 0, "> 0"), ("ddim-eta", 0 < args.ddim_eta <= 1, "in (0, 1]"),
               ("chunk-fraction", 0 < args.chunk_fraction <= 1, "in (0, 1]"),
               ("train-fraction", 0 < args.train_fraction <= 1, "in (0, 1]"), ("num-chunks", args.num_chunks >= 1, ">= 1"),
-              ("lora-rank", args.lora_rank >= 1, ">= 1"), ("branch-steps", args.branch_steps >= 0, ">= 0"),
+              ("lora-rank", args.lora_rank >= 0, ">= 0"),
+              ("lora-alpha", args.lora_alpha >= 0, ">= 0"), ("resolution", args.resolution % 16 == 0 and args.resolution > 0, "a positive multiple of 16"), ("branch-steps", args.branch_steps >= 0, ">= 0"),
               ("pretrain-steps", args.pretrain_steps >= 1, ">= 1"), ("max-grad-norm", args.max_grad_norm > 0, "> 0"),
               ("checkpoint-every", args.checkpoint_every >= 1, ">= 1"), ("max-nonfinite", args.max_nonfinite >= 1, ">= 1")]
     for flag, ok, valid in checks:
         if not ok:
             raise UsageError(f"--{flag} must be {valid}, got {getattr(args, flag.replace('-', '_'))!r}")
-    if args.model != "toy":
-        raise UsageError(f"--model {args.model!r} is not supported yet; the toy world is 'toy'")
+    if args.dtype not in ("auto", "fp32", "bf16"):
+        raise UsageError(f"--dtype must be auto, fp32 or bf16, got {args.dtype!r}")
+    if args.model != "toy" and args.model.startswith((".", "/", "~")) and not Path(args.model).expanduser().exists():
+        raise UsageError(f"--model {args.model}: no such folder (a diffusers pipeline folder or a hub id is expected)")
+    names = [n for n, _ in parse_reward(reward_spec(args))]
+    if "toy" in names and (args.model != "toy" or args.prompts):
+        raise UsageError("--reward toy scores the built-in toy prompts on the toy model; use pickscore or clip here")
+    if args.prompts and not Path(args.prompts).is_file():
+        raise UsageError(f"--prompts {args.prompts}: no such file (one prompt a line is expected)")
     parse_granularities(args.granularities)
     n_trained = int(trainable_steps(time_grid(args.steps), args).sum())
     parse_chunks(args.chunks, n_trained)
@@ -1131,6 +1395,18 @@ def make_run_dir(args: Args) -> Path:
     except OSError as e:
         raise UsageError(f"--out {args.out!r}: cannot create the run folder {run} ({e.strerror or e})") from None
     return run
+
+
+def prompt_sets(args: Args) -> tuple[list[dict] | None, list[dict]]:
+    """(training prompts, held-out prompts). Built in: the toy generator (None) and the fixed toy-GenEval
+    set; from --prompts FILE: every 10th line is held out, the rest are drawn for training."""
+    if not args.prompts:
+        return None, eval_prompts(args.eval_per_tag)
+    lines = [line.strip() for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    if len(lines) < 2:
+        raise UsageError(f"--prompts {args.prompts}: needs at least 2 prompts (one a line); it has {len(lines)}")
+    metas = [{"tag": "prompt", "prompt": line} for line in lines]
+    return [m for i, m in enumerate(metas) if i % 10], metas[::10]
 
 
 def toy_reward(images: torch.Tensor, metas: list[dict]) -> torch.Tensor:
@@ -1153,13 +1429,14 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
     With `resume` (a run folder), continue from its last checkpoint up to `args.iterations`."""
     validate(args)
     device = resolve_device(args.device)
+    seed_everything(args.seed)
+    policy, reward_fn = load_policy(args, device), build_reward(args, device)  # bad models fail before any file
+    train_pool, eval_metas = prompt_sets(args)
     run = Path(resume) if resume else make_run_dir(args)
     (run / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-    seed_everything(args.seed)
-    policy = load_toy(args, device)
     params = add_lora(policy, args)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    grid = time_grid(args.steps)
+    grid = policy.time_grid(args.steps)
     meter, history, wall, start_it, bad_in_row = Meter(), [], 0.0, 1, 0
     if resume:
         state = load_checkpoint(run, policy, opt)
@@ -1179,7 +1456,7 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
         log.flush()
 
     def run_eval(iteration: int) -> None:
-        metrics, images, metas, verdicts = evaluate(policy, args)
+        metrics, images, metas, verdicts = evaluate(policy, args, reward_fn, eval_metas)
         record({"iteration": iteration, **metrics, "nfe": meter.nfe, "wall_s": round(wall, 2)})
         save_grid(images, metas, verdicts, run / f"samples_{iteration:04d}.png",
                   f"{args.method} iteration {iteration}: toy-GenEval {metrics['eval_overall']:.3f}")
@@ -1192,9 +1469,10 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
     for it in bar:
         start = time.time()
         rng = random.Random(stable_seed(args.seed, "prompts", it))
-        metas = train_prompts(args.prompts_per_iter, rng)
+        metas = [rng.choice(train_pool) for _ in range(args.prompts_per_iter)] if train_pool else \
+            train_prompts(args.prompts_per_iter, rng)
         ctx = Context(policy, args, meter, generator(device, args.seed, "rollout", it), metas,
-                      policy.encode([m["prompt"] for m in metas]), grid, toy_reward, chunk_sizes)
+                      policy.encode([m["prompt"] for m in metas]), grid, reward_fn, chunk_sizes)
         transitions, rewards = METHODS[args.method](ctx)
         finite = bool(torch.isfinite(rewards).all() and torch.isfinite(transitions.advantage).all())
         stats = update(policy, opt, ctx.cond, transitions, args, ctx.gen) if finite else {"skipped": 1}
@@ -1220,10 +1498,11 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
             save_checkpoint(run, policy, opt, {"iteration": it, "meter": dataclasses.asdict(meter), "wall": wall,
                                                "history": history})
     log.close()
-    save_lora(policy, run / "lora")
+    policy.save_lora(run / "lora")
     plot_curves(history, run / "reward_curve.png", args.method)
     evals = [h for h in history if "eval_overall" in h]
-    print(f"done: {run}\ntoy-GenEval overall {evals[0]['eval_overall']:.3f} -> {evals[-1]['eval_overall']:.3f} "
+    score = "toy-GenEval overall" if args.model == "toy" else "held-out reward"
+    print(f"done: {run}\n{score} {evals[0]['eval_overall']:.3f} -> {evals[-1]['eval_overall']:.3f} "
           f"({evals[-1]['eval_overall'] - evals[0]['eval_overall']:+.3f}) in {wall / 60:.1f} min of training, "
           f"{meter.nfe:.3g} forward passes")
     return history
@@ -1259,44 +1538,53 @@ def load_checkpoint(run: Path, policy, opt) -> dict:
 
 
 @torch.no_grad()
-def evaluate(policy, args: Args) -> tuple[dict, torch.Tensor, list[dict], torch.Tensor]:
-    """Deterministic toy-GenEval: a fixed prompt set, fixed noise, `eval_steps` Euler ODE steps.
-    Returns (metrics, images (N, 3, RES, RES), metas, verdicts (N,)); overall = mean of the six
-    category accuracies, as GenEval reports it."""
-    metas = eval_prompts(args.eval_per_tag)
+def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None):
+    """Deterministic evaluation: fixed prompts (default: toy-GenEval's), fixed noise, `eval_steps`
+    Euler ODE steps. Returns (metrics, images (N, 3, H, W), metas, verdicts (N,) or None).
+    Toy model: eval_overall is toy-GenEval, the mean of the six category accuracies as GenEval
+    reports it; real models: eval_overall is the mean reward of the held-out prompts."""
+    metas = metas or eval_prompts(args.eval_per_tag)
     cond = policy.encode([m["prompt"] for m in metas])
     x = initial_noise(policy, len(metas), generator("cpu", "eval-noise"))
-    grid = time_grid(args.eval_steps)
-    traj = rollout(policy, cond, x, grid, [False] * args.eval_steps, args, Meter())
+    traj = rollout(policy, cond, x, policy.time_grid(args.eval_steps), [False] * args.eval_steps, args, Meter())
     images = policy.decode(traj.states[:, -1])
-    verdicts, dense = score_batch(images, metas)
+    reward = float((reward_fn or toy_reward)(images, metas).mean())
+    if args.model != "toy":
+        return {"eval_overall": reward, "eval_reward": reward}, images, metas, None
+    verdicts, _ = score_batch(images, metas)
     tags = np.array([m["tag"] for m in metas])
     per_tag = {f"eval_{tag}": float(verdicts[torch.from_numpy(tags == tag)].mean()) for tag in TAGS}
-    metrics = {"eval_overall": float(np.mean(list(per_tag.values()))), **per_tag, "eval_reward": float(dense.mean())}
+    metrics = {"eval_overall": float(np.mean(list(per_tag.values()))), **per_tag, "eval_reward": reward}
     return metrics, images, metas, verdicts
 
 
-def save_grid(images: torch.Tensor, metas: list[dict], verdicts: torch.Tensor, path: Path, title: str,
-              per_tag: int = 6) -> None:
-    """A labelled PNG: one row per GenEval category, `per_tag` samples, prompt and verdict under each."""
+def save_grid(images: torch.Tensor, metas: list[dict], verdicts: torch.Tensor | None, path: Path, title: str,
+              per_row: int = 6) -> None:
+    """A labelled PNG: toy, one row per GenEval category with the verdict (✓/✗) over each sample;
+    real models, the first three rows of held-out prompts."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(TAGS), per_tag, figsize=(per_tag * 1.6, len(TAGS) * 1.9))
-    for row, tag in enumerate(TAGS):
-        idx = [i for i, m in enumerate(metas) if m["tag"] == tag][:per_tag]
-        for col in range(per_tag):
+    if verdicts is not None:
+        tags = dict.fromkeys(m["tag"] for m in metas)
+        rows = {tag: [i for i, m in enumerate(metas) if m["tag"] == tag][:per_row] for tag in tags}
+    else:
+        chunks = [list(range(r, min(r + per_row, len(metas)))) for r in range(0, min(len(metas), 3 * per_row), per_row)]
+        rows = {f"prompts {c[0]}-{c[-1]}": c for c in chunks}
+    fig, axes = plt.subplots(len(rows), per_row, figsize=(per_row * 1.6, len(rows) * 1.9), squeeze=False)
+    for row, (name, idx) in enumerate(rows.items()):
+        for col in range(per_row):
             ax = axes[row, col]
             ax.axis("off")
             if col < len(idx):
                 i = idx[col]
                 ax.imshow(images[i].permute(1, 2, 0).cpu().numpy(), interpolation="nearest")
-                ok = bool(verdicts[i])
-                label = textwrap.fill(("✓ " if ok else "✗ ") + metas[i]["prompt"], 24)
-                ax.set_title(label, fontsize=6, color="green" if ok else "red")
-        axes[row, 0].text(-0.1, 0.5, tag, transform=axes[row, 0].transAxes, rotation=90, va="center", ha="right", fontsize=7)
+                ok = verdicts is None or bool(verdicts[i])
+                mark = "" if verdicts is None else "✓ " if ok else "✗ "
+                ax.set_title(textwrap.fill(mark + metas[i]["prompt"], 24)[:80], fontsize=6, color="green" if ok else "red")
+        axes[row, 0].text(-0.1, 0.5, name, transform=axes[row, 0].transAxes, rotation=90, va="center", ha="right", fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -1382,18 +1670,6 @@ def parse_seeds(text: str) -> list[int]:
         return [int(p) for p in text.split(",")]
     except ValueError:
         raise UsageError(f"--compare-seeds must be integers like 0,1,2, got {text!r}") from None
-
-
-def save_lora(policy, folder: Path) -> None:
-    """The LoRA adapter in diffusers format (pytorch_lora_weights.safetensors) that
-    `load_lora_adapter` / `pipe.load_lora_weights` read."""
-    from diffusers import StableDiffusionPipeline
-    from peft.utils import get_peft_model_state_dict
-
-    # peft-format keys: diffusers' old-format conversion would rename only the attention layers and
-    # leave the conv LoRA keys as they are, a mix its own loader then rejects
-    layers = get_peft_model_state_dict(policy.net)
-    StableDiffusionPipeline.save_lora_weights(folder, unet_lora_layers=layers, safe_serialization=True)
 
 
 # ----------------------------------------------------------------------------------------------------

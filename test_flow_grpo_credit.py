@@ -1,7 +1,10 @@
 """Tests that check meaning: equations, invariants of each method, exactness of the scorer, and a
 measured improvement of a short real run. Run with `python -m pytest -q`."""
+import dataclasses
 import json
+import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +14,8 @@ import pytest
 import torch
 
 import flow_grpo_credit as fgc
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # no network: every model here is built and saved by the tests
 
 HERE = Path(__file__).parent
 
@@ -371,6 +376,169 @@ def test_saved_lora_loads_into_a_fresh_unet_with_diffusers(tiny_cache, tmp_path)
         v_trained, v_fresh, v_base = (p.velocity(x, t, cond) for p in (trained, fresh, base))
     torch.testing.assert_close(v_fresh, v_trained, atol=1e-5, rtol=1e-4)
     assert (v_trained - v_base).abs().max() > 1e-4, "the adapter changed the model"
+
+
+# ----------------------------------------------------------------------------------------------------
+# real models: tiny random SD3 / FLUX pipelines and a tiny CLIP reward, built here with the real
+# classes, saved to disk and loaded back through the script's loading code (no network)
+
+
+def clip_tokenizer():
+    from transformers import CLIPTokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    chars = list(bytes_to_unicode().values())  # a byte-level vocabulary without merges: 514 tokens
+    vocab = {c: i for i, c in enumerate(chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"])}
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=16)
+
+
+def tiny_text_config(**kw):
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                          projection_dim=32, max_position_embeddings=16, vocab_size=514, bos_token_id=512,
+                          eos_token_id=513, pad_token_id=513, **kw)
+
+
+@pytest.fixture(scope="session")
+def tiny_real(tmp_path_factory):
+    """Folders of a tiny SD3 pipeline, a tiny FLUX pipeline, a tiny CLIP reward model, a prompt file."""
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel,
+                           SD3Transformer2DModel, StableDiffusion3Pipeline)
+    from transformers import (CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTextModel,
+                              CLIPTextModelWithProjection, T5Config, T5EncoderModel, T5TokenizerFast)
+
+    root = tmp_path_factory.mktemp("real")
+    torch.manual_seed(0)
+
+    def vae():
+        return AutoencoderKL(block_out_channels=(8, 16), latent_channels=4, norm_num_groups=8, sample_size=32,
+                             down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                             scaling_factor=1.5, shift_factor=0.06)
+
+    def t5():
+        words = ["<pad>", "</s>", "<unk>", "▁", *"abcdefghijklmnopqrstuvwxyz"]
+        return (T5EncoderModel(T5Config(vocab_size=32, d_model=32, d_ff=37, num_layers=2, num_heads=4, d_kv=8)),
+                T5TokenizerFast(vocab=[(w, -1.0) for w in words], extra_ids=0, model_max_length=16))
+
+    t5_model, t5_tok = t5()
+    StableDiffusion3Pipeline(
+        transformer=SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
+                                          attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32,
+                                          caption_projection_dim=16, pooled_projection_dim=64, pos_embed_max_size=32),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae(),
+        text_encoder=CLIPTextModelWithProjection(tiny_text_config()), tokenizer=clip_tokenizer(),
+        text_encoder_2=CLIPTextModelWithProjection(tiny_text_config()), tokenizer_2=clip_tokenizer(),
+        text_encoder_3=t5_model, tokenizer_3=t5_tok).save_pretrained(root / "sd3")
+    t5_model, t5_tok = t5()
+    FluxPipeline(
+        transformer=FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                           attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32,
+                                           pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(2, 2, 4)),
+        scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15),
+        vae=vae(), text_encoder=CLIPTextModel(tiny_text_config()), tokenizer=clip_tokenizer(),
+        text_encoder_2=t5_model, tokenizer_2=t5_tok).save_pretrained(root / "flux")
+    CLIPModel(CLIPConfig(text_config=tiny_text_config().to_dict(),
+                         vision_config=dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                                            image_size=32, patch_size=8, projection_dim=32),
+                         projection_dim=32)).save_pretrained(root / "clip")
+    CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+                  tokenizer=clip_tokenizer()).save_pretrained(root / "clip")
+    (root / "prompts.txt").write_text("".join(f"a photo of {w}\n" for w in
+                                              ["a cat", "a dog", "two cups", "a red car", "a house", "a tree",
+                                               "a bird", "a boat", "a lamp", "a clock", "a chair", "a ball"]))
+    return root
+
+
+def real_args(root, out, model="sd3", **kw):
+    base = dict(model=str(root / model), reward="pickscore", reward_model=str(root / "clip"), prompts=str(root / "prompts.txt"),
+                resolution=32, iterations=2, prompts_per_iter=2, group_size=2, steps=4, eval_steps=2, eval_every=2,
+                out=str(out), guidance=0.0, branch_steps=1, tweedie_substeps=1, chunks="1,2")
+    return fgc.Args(**{**base, **kw})
+
+
+@pytest.mark.parametrize("model", ["sd3", "flux"])
+def test_every_method_trains_a_real_pipeline_and_its_lora_loads_into_diffusers(tiny_real, tmp_path, model):
+    from diffusers import DiffusionPipeline
+    from peft.utils import set_peft_model_state_dict
+
+    for method in fgc.METHOD_NAMES:
+        history = fgc.train(real_args(tiny_real, tmp_path / method, model, method=method))
+        steps = [h for h in history if "reward_mean" in h]
+        assert len(steps) == 2 and all(np.isfinite(h["loss"]) and abs(h["ratio_first"] - 1) < 1e-5 for h in steps)
+        assert [h["iteration"] for h in history if "eval_overall" in h] == [0, 2]
+    run = next((tmp_path / "flow_grpo").iterdir())
+    args = real_args(tiny_real, tmp_path, model)
+    trained = fgc.load_pipeline(args, torch.device("cpu"))
+    fgc.add_lora(trained, args)
+    set_peft_model_state_dict(trained.net, torch.load(run / "checkpoint.pt", weights_only=False)["lora"])
+    pipe = DiffusionPipeline.from_pretrained(tiny_real / model)
+    pipe.load_lora_weights(run / "lora")  # diffusers' own loader reads the saved file
+    fresh = fgc.PipelinePolicy(pipe, args, torch.device("cpu"))
+    base = fgc.load_pipeline(args, torch.device("cpu"))
+    x = torch.randn(trained.latent_shape(2))
+    t, cond = torch.tensor([0.9, 0.4]), trained.encode(["a photo of a cat", "a house"])
+    fresh.encode(["a photo of a cat", "a house"])  # fills its embedding cache (the negative branch reads it)
+    base.encode(["a photo of a cat", "a house"])
+    with torch.no_grad():
+        v_trained, v_fresh, v_base = (p.velocity(x, t, cond) for p in (trained, fresh, base))
+    torch.testing.assert_close(v_fresh, v_trained, atol=1e-5, rtol=1e-4)
+    assert (v_trained - v_base).abs().max() > 1e-6, "training changed the adapter"
+
+
+def test_real_time_grids_come_from_the_pipelines_schedulers(tiny_real):
+    sd3 = fgc.load_pipeline(real_args(tiny_real, "x"), torch.device("cpu"))
+    shift = 3.0  # SD3's static shift: sigma' = s*sigma / (1 + (s-1)*sigma) of the linear grid, up to the
+    lin = fgc.time_grid(10)[:-1]  # scheduler's sigma_min (the last step moves by < 6e-3)
+    torch.testing.assert_close(sd3.time_grid(10)[:-1], shift * lin / (1 + (shift - 1) * lin), atol=6e-3, rtol=0)
+    flux = fgc.load_pipeline(real_args(tiny_real, "x", "flux"), torch.device("cpu"))
+    grid = flux.time_grid(10)
+    assert grid[0] == 1 and grid[-1] == 0 and (grid[1:] < grid[:-1]).all() and not torch.allclose(grid, fgc.time_grid(10))
+
+
+def test_clip_rewards_follow_their_formulas_and_weighted_sums_add(tiny_real):
+    from PIL import Image
+    from transformers import CLIPModel, CLIPProcessor
+
+    images = (torch.rand(3, 3, 32, 32) * 255).round() / 255
+    metas = [{"prompt": p} for p in ["a cat", "two cups", "a red car"]]
+    args = real_args(tiny_real, "x")
+    pick = fgc.build_reward(args, "cpu")(images, metas)
+    clip = fgc.build_reward(dataclasses.replace(args, reward="clip"), "cpu")(images, metas)
+    model, proc = CLIPModel.from_pretrained(tiny_real / "clip"), CLIPProcessor.from_pretrained(tiny_real / "clip")
+    pil = [Image.fromarray((im.permute(1, 2, 0) * 255).byte().numpy()) for im in images]
+    inputs = proc(text=[m["prompt"] for m in metas], images=pil, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model(**inputs)
+    cos = torch.nn.functional.cosine_similarity(out.image_embeds, out.text_embeds)
+    torch.testing.assert_close(pick, model.logit_scale.exp().detach() * cos / 26, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(clip, 2.5 * cos.clamp_min(0), atol=1e-4, rtol=1e-4)
+    both = fgc.build_reward(dataclasses.replace(args, reward="pickscore:0.7,clip:0.3",
+                                                reward_model=f"pickscore={tiny_real / 'clip'},clip={tiny_real / 'clip'}"), "cpu")
+    torch.testing.assert_close(both(images, metas), 0.7 * pick + 0.3 * clip)
+
+
+def test_bad_real_inputs_are_one_line_errors(tiny_real, tmp_path):
+    from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
+    from transformers import CLIPTextModel
+
+    DDPMPipeline(UNet2DModel(block_out_channels=(8, 8), norm_num_groups=4, sample_size=8,
+                             down_block_types=("DownBlock2D",) * 2, up_block_types=("UpBlock2D",) * 2),
+                 DDPMScheduler()).save_pretrained(tmp_path / "ddpm")
+    CLIPTextModel(tiny_text_config()).save_pretrained(tmp_path / "text_only")
+    cases = [(dict(model=str(tmp_path / "missing")), "no such folder"),
+             (dict(model=str(tmp_path / "ddpm")), "expected a StableDiffusion3Pipeline or FluxPipeline"),
+             (dict(reward="pickscore:heavy"), "weights must be numbers"),
+             (dict(reward="aesthetic"), "unknown reward 'aesthetic'"),
+             (dict(reward_model=str(tmp_path / "text_only")), "needs a CLIP model"),
+             (dict(reward="toy"), "--reward toy scores the built-in toy prompts"),
+             (dict(prompts=str(tmp_path / "none.txt")), "--prompts"),
+             (dict(dtype="fp8"), "--dtype must be")]
+    for overrides, needle in cases:
+        with pytest.raises(fgc.UsageError, match=re.escape(needle)) as err:
+            fgc.train(real_args(tiny_real, tmp_path / "runs", **overrides))
+        assert "\n" not in str(err.value)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir()), "nothing half-written"
 
 
 # ----------------------------------------------------------------------------------------------------
