@@ -91,6 +91,40 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+@dataclass
+class Dist:
+    """Where this process stands under torchrun (rank 0 of 1 without it)."""
+
+    rank: int = 0
+    world: int = 1
+
+    @staticmethod
+    def setup(device: torch.device) -> "Dist":
+        """Join the process group torchrun describes in the environment (gloo on CPU, nccl on CUDA)."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world == 1:
+            return Dist()
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        return Dist(dist.get_rank(), world)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks (in place); the identity in a single process."""
+        if self.world > 1:
+            torch.distributed.all_reduce(x)
+        return x
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, ...) on each rank -> (world*N, ...) in rank order."""
+        if self.world == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        torch.distributed.all_gather(parts, x.contiguous())
+        return torch.cat(parts)
+
+
 def mean_over_dims(x: torch.Tensor) -> torch.Tensor:
     """(B, ...) -> (B,): the reduction every official code uses for log-probs (METHODS §0.3)."""
     return x.flatten(1).mean(1)
@@ -213,6 +247,11 @@ class Args:
     """stop after this many iterations in a row with non-finite rewards, advantages or loss"""
     compare_seeds: str = "0"
     """with --method all (or a list a,b): the seeds every method runs with, e.g. 0,1,2"""
+
+    @property
+    def sde_level(self) -> float:
+        """The noise parameter of the chosen SDE kind: a of the flow SDE, eta of the ddim SDE."""
+        return self.noise_level if self.sde == "flow" else self.ddim_eta
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -354,8 +393,8 @@ def detect(img: np.ndarray, min_area: int = 6) -> list[Detection]:
             cls = "triangle"
         else:
             cls = "square" if fill >= 0.92 else "circle"
-        centre = ((xs.min() + xs.max() + 1) / 2, (ys.min() + ys.max() + 1) / 2)  # box centre, as GenEval
-        found.append(Detection(cls, list(COLORS)[colour - 1], centre, (w, h)))
+        centre = (float(xs.min() + xs.max() + 1) / 2, float(ys.min() + ys.max() + 1) / 2)  # box centre, as GenEval
+        found.append(Detection(cls, list(COLORS)[colour - 1], centre, (int(w), int(h))))
     return found
 
 
@@ -904,7 +943,7 @@ def rollout(policy, cond: dict, x: torch.Tensor, times: torch.Tensor, stochastic
         meter.forward(policy, b)
         if stochastic[k]:
             x, log_prob, _, std = sde_step(x, v, t, t_next, kind=args.sde,
-                                           noise_level=args.noise_level if args.sde == "flow" else args.ddim_eta,
+                                           noise_level=args.sde_level,
                                            generator=gen)
         else:
             x, log_prob, std = ode_step(x, v, t, t_next), torch.zeros(b, device=x.device), torch.zeros(b, device=x.device)
@@ -1024,7 +1063,7 @@ def trainable_steps(grid: torch.Tensor, args: Args) -> torch.Tensor:
 
 def step_stds(grid: torch.Tensor, args: Args) -> torch.Tensor:
     """(S,) transition std of an SDE step at each step of `grid` (it does not depend on the state)."""
-    level = args.noise_level if args.sde == "flow" else args.ddim_eta
+    level = args.sde_level
     z = torch.zeros(len(grid) - 1, 1)
     return sde_step(z, z, grid[:-1], grid[1:], kind=args.sde, noise_level=level, noise=z)[3]
 
@@ -1251,7 +1290,7 @@ def grpo_loss(policy, cond: dict, tr: Transitions, args: Args) -> tuple[torch.Te
     A chunk of one transition is the step-level ratio of Flow-GRPO; log-probs are means over C*H*W,
     so ratios stay within ~1e-3 of 1 and eps is tiny (METHODS §0.3). KL is to the adapter-disabled
     reference with the transition std (Project decision 4)."""
-    level = args.noise_level if args.sde == "flow" else args.ddim_eta
+    level = args.sde_level
     c = {k: v[tr.prompt] for k, v in cond.items()}
     v = policy.velocity(tr.x, tr.t, c)
     _, log_prob, mean, _ = sde_step(tr.x, v, tr.t, tr.t_next, kind=args.sde, noise_level=level, prev_sample=tr.x_next)
@@ -1297,10 +1336,12 @@ class adapter_disabled:
         self.net.enable_adapters()
 
 
-def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Generator) -> dict:
+def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Generator, dist: Dist = Dist()) -> dict:
     """Inner PPO updates: chunks (single transitions unless the method groups them) are shuffled, a
     `train_fraction` of them kept, and split into `inner_updates` minibatches, one AdamW step each
-    (after global grad-norm clipping). The first minibatch is exactly on-policy (ratio 1)."""
+    (after global grad-norm clipping). The first minibatch is exactly on-policy (ratio 1).
+    Under torchrun the gradients are averaged over ranks before the step (what DDP does), so every
+    rank takes the same step and the weights stay identical."""
     ids = torch.unique(tr.chunk)
     order = ids[torch.randperm(len(ids), generator=gen, device=gen.device).cpu()]
     order = order[: max(1, round(len(order) * args.train_fraction))]  # DanceGRPO's timestep fraction
@@ -1310,10 +1351,12 @@ def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Gene
     for part in torch.tensor_split(order, min(args.inner_updates, len(order))):
         mb = tr[torch.isin(tr.chunk.cpu(), part)]
         loss, s = grpo_loss(policy, cond, mb, args)
-        if not torch.isfinite(loss):  # never step from a poisoned loss
+        if dist.sum(torch.isfinite(loss).float().cpu()) < dist.world:  # never step from a poisoned loss, on any rank
             return {"skipped": 1}
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        for p in params:
+            dist.sum(p.grad).div_(dist.world)
         s["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
         opt.step()
         stats.append({"loss": loss.item(), **s})
@@ -1426,14 +1469,25 @@ def auto_chunk_sizes(policy, args: Args, grid: torch.Tensor, trainable: torch.Te
 
 def train(args: Args, resume: str | None = None) -> list[dict]:
     """Run GRPO with the chosen credit assignment; returns the metric records (also in metrics.jsonl).
-    With `resume` (a run folder), continue from its last checkpoint up to `args.iterations`."""
+    With `resume` (a run folder), continue from its last checkpoint up to `args.iterations`.
+    Under `torchrun --nproc_per_node N`, each rank takes every N-th prompt of the iteration (whole
+    groups, so TempFlow's and G2RPO's branches keep their shared state), gradients are averaged over
+    ranks, metrics are gathered, and only rank 0 writes files."""
     validate(args)
     device = resolve_device(args.device)
+    dist = Dist.setup(device)
+    if dist.world > 1 and device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    if args.prompts_per_iter % dist.world:
+        raise UsageError(f"--prompts-per-iter {args.prompts_per_iter} must be a multiple of the {dist.world} ranks")
+    writer = dist.rank == 0
     seed_everything(args.seed)
     policy, reward_fn = load_policy(args, device), build_reward(args, device)  # bad models fail before any file
     train_pool, eval_metas = prompt_sets(args)
-    run = Path(resume) if resume else make_run_dir(args)
-    (run / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+    run = Path(resume) if resume else make_run_dir(args) if writer else None
+    if writer:
+        (run / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
     params = add_lora(policy, args)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     grid = policy.time_grid(args.steps)
@@ -1445,58 +1499,71 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
     if args.method == "chunk":
         trainable = trainable_steps(grid, args)
         chunk_sizes = parse_chunks(args.chunks, int(trainable.sum())) or auto_chunk_sizes(policy, args, grid, trainable)
-        print(f"chunk sizes over the trained steps: {chunk_sizes}")
-    log = (run / "metrics.jsonl").open("w")
-    for entry in history:  # a resumed run rewrites what its checkpoint holds, dropping lines after it
+        if writer:
+            print(f"chunk sizes over the trained steps: {chunk_sizes}")
+    log = (run / "metrics.jsonl").open("w") if writer else None
+    for entry in history if writer else []:  # a resumed run rewrites what its checkpoint holds, dropping later lines
         log.write(json.dumps(entry) + "\n")
 
     def record(entry: dict) -> None:
         history.append(entry)
-        log.write(json.dumps(entry) + "\n")
-        log.flush()
+        if writer:
+            log.write(json.dumps(entry) + "\n")
+            log.flush()
+
+    def total(n: int) -> int:  # a counter summed over ranks
+        return int(dist.sum(torch.tensor(n)))
 
     def run_eval(iteration: int) -> None:
-        metrics, images, metas, verdicts = evaluate(policy, args, reward_fn, eval_metas)
-        record({"iteration": iteration, **metrics, "nfe": meter.nfe, "wall_s": round(wall, 2)})
-        save_grid(images, metas, verdicts, run / f"samples_{iteration:04d}.png",
-                  f"{args.method} iteration {iteration}: toy-GenEval {metrics['eval_overall']:.3f}")
+        nfe = total(meter.nfe)
+        if writer:  # the other ranks go on and wait for rank 0 at the next gradient average
+            metrics, images, metas, verdicts = evaluate(policy, args, reward_fn, eval_metas)
+            record({"iteration": iteration, **metrics, "nfe": nfe, "wall_s": round(wall, 2)})
+            save_grid(images, metas, verdicts, run / f"samples_{iteration:04d}.png",
+                      f"{args.method} iteration {iteration}: held-out score {metrics['eval_overall']:.3f}")
 
     if not resume:
         if chunk_sizes:
             record({"iteration": 0, "chunk_sizes": chunk_sizes})
         run_eval(0)
-    bar = tqdm(range(start_it, args.iterations + 1), desc=args.method, dynamic_ncols=True)
+    bar = tqdm(range(start_it, args.iterations + 1), desc=args.method, dynamic_ncols=True, disable=not writer)
     for it in bar:
         start = time.time()
         rng = random.Random(stable_seed(args.seed, "prompts", it))
         metas = [rng.choice(train_pool) for _ in range(args.prompts_per_iter)] if train_pool else \
             train_prompts(args.prompts_per_iter, rng)
-        ctx = Context(policy, args, meter, generator(device, args.seed, "rollout", it), metas,
-                      policy.encode([m["prompt"] for m in metas]), grid, reward_fn, chunk_sizes)
+        metas = metas[dist.rank::dist.world]
+        gen = generator(device, args.seed, "rollout", it, *([dist.rank] if dist.world > 1 else []))
+        ctx = Context(policy, args, meter, gen, metas, policy.encode([m["prompt"] for m in metas]), grid, reward_fn,
+                      chunk_sizes)
         transitions, rewards = METHODS[args.method](ctx)
         finite = bool(torch.isfinite(rewards).all() and torch.isfinite(transitions.advantage).all())
-        stats = update(policy, opt, ctx.cond, transitions, args, ctx.gen) if finite else {"skipped": 1}
+        finite = total(int(finite)) == dist.world
+        stats = update(policy, opt, ctx.cond, transitions, args, ctx.gen, dist) if finite else {"skipped": 1}
         if not stats.get("skipped"):  # training (+ reference) passes actually run
             meter.forward(policy, len(transitions) * (2 if args.beta > 0 else 1))
         wall += time.time() - start
         bad_in_row = bad_in_row + 1 if stats.get("skipped") else 0
-        if bad_in_row:
+        if bad_in_row and writer:
             tqdm.write(f"warning: iteration {it}: non-finite rewards, advantages or loss; update skipped")
         if bad_in_row >= args.max_nonfinite:
             raise RunError(f"stopped at iteration {it}: {bad_in_row} iterations in a row had non-finite rewards, "
                            f"advantages or loss; the last good checkpoint is in {run}")
         per_step = {f"adv_abs/{k}": float(transitions.advantage[transitions.step == k].abs().mean())
                     for k in torch.unique(transitions.step).tolist()}
+        rewards, zero_std = dist.gather(rewards.float()), dist.gather(torch.tensor(ctx.stats["zero_std"], dtype=torch.float32))
         entry = {"iteration": it, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()), **stats,
-                 "zero_std_frac": float(np.mean(ctx.stats["zero_std"])), "transitions": len(transitions),
-                 "nfe": meter.nfe, "reward_calls": meter.reward_calls, "wall_s": round(wall, 2), **per_step}
+                 "zero_std_frac": float(zero_std.mean()), "transitions": total(len(transitions)),
+                 "nfe": total(meter.nfe), "reward_calls": total(meter.reward_calls), "wall_s": round(wall, 2), **per_step}
         record(entry)
         bar.set_postfix(reward=f"{entry['reward_mean']:.3f}", kl=f"{entry.get('kl', 0):.2g}")
         if it % args.eval_every == 0 or it == args.iterations:
             run_eval(it)
-        if (it % args.checkpoint_every == 0 or it == args.iterations) and not bad_in_row:
+        if (it % args.checkpoint_every == 0 or it == args.iterations) and not bad_in_row and writer:
             save_checkpoint(run, policy, opt, {"iteration": it, "meter": dataclasses.asdict(meter), "wall": wall,
                                                "history": history})
+    if not writer:
+        return history
     log.close()
     policy.save_lora(run / "lora")
     plot_curves(history, run / "reward_curve.png", args.method)
@@ -1504,7 +1571,7 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
     score = "toy-GenEval overall" if args.model == "toy" else "held-out reward"
     print(f"done: {run}\n{score} {evals[0]['eval_overall']:.3f} -> {evals[-1]['eval_overall']:.3f} "
           f"({evals[-1]['eval_overall'] - evals[0]['eval_overall']:+.3f}) in {wall / 60:.1f} min of training, "
-          f"{meter.nfe:.3g} forward passes")
+          f"{history[-1]['nfe']:.3g} forward passes")
     return history
 
 
