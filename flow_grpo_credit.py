@@ -678,15 +678,14 @@ class PipelinePolicy:
             dev = self.device
             for enc in self.encoders:
                 enc.to(dev)
-            if self.flux:
+            if self.flux:  # no negative branch
                 emb, pooled, _ = self.pipe.encode_prompt(new, new, device=dev, max_sequence_length=512)
-                neg, neg_pooled = emb, pooled  # unused: FLUX has no negative branch
-            else:
+            else:  # the negative prompt "" is kept under the key "" for the CFG branch
                 emb, neg, pooled, neg_pooled = self.pipe.encode_prompt(new, new, new, device=dev,
                                                                        do_classifier_free_guidance=True)
+                self.cache.setdefault("", {"encoder_hidden_states": neg[0], "pooled_projections": neg_pooled[0]})
             for i, p in enumerate(new):
                 self.cache[p] = {"encoder_hidden_states": emb[i], "pooled_projections": pooled[i]}
-            self.cache.setdefault("", {"encoder_hidden_states": neg[0], "pooled_projections": neg_pooled[0]})
             for enc in self.encoders:
                 enc.to("cpu" if self.low_memory else dev)
         return {k: torch.stack([self.cache[p][k] for p in prompts]) for k in self.cache[prompts[0]]}
@@ -1483,9 +1482,14 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
         raise UsageError(f"--prompts-per-iter {args.prompts_per_iter} must be a multiple of the {dist.world} ranks")
     writer = dist.rank == 0
     seed_everything(args.seed)
-    policy, reward_fn = load_policy(args, device), build_reward(args, device)  # bad models fail before any file
-    train_pool, eval_metas = prompt_sets(args)
-    run = Path(resume) if resume else make_run_dir(args) if writer else None
+    run = Path(resume) if resume else make_run_dir(args) if writer else None  # before the slow loading
+    try:
+        policy, reward_fn = load_policy(args, device), build_reward(args, device)
+        train_pool, eval_metas = prompt_sets(args)
+    except UsageError:
+        if run and not resume:  # a model or reward that does not load leaves no empty run folder behind
+            run.rmdir()
+        raise
     if writer:
         (run / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
     params = add_lora(policy, args)

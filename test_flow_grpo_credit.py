@@ -340,12 +340,12 @@ def test_non_finite_rewards_skip_updates_and_then_stop(tiny_cache, tmp_path, mon
     real = fgc.toy_reward
     calls = {"n": 0}
 
-    def nan_on_second_call(images, metas):
+    def nan_in_iteration_2(images, metas):  # calls: the evaluation at 0, iteration 1, iteration 2, ...
         calls["n"] += 1
         r = real(images, metas)
-        return r * float("nan") if calls["n"] == 2 else r
+        return r * float("nan") if calls["n"] == 3 else r
 
-    monkeypatch.setattr(fgc, "toy_reward", nan_on_second_call)
+    monkeypatch.setattr(fgc, "toy_reward", nan_in_iteration_2)
     history = fgc.train(tiny_args(tiny_cache, tmp_path / "once"))
     skipped = [h for h in history if h.get("skipped")]
     assert [h["iteration"] for h in skipped] == [2] and history[-1].get("eval_overall") is not None
