@@ -1497,8 +1497,12 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
     grid = policy.time_grid(args.steps)
     meter, history, wall, start_it, bad_in_row = Meter(), [], 0.0, 1, 0
     if resume:
+        loading = time.time()
         state = load_checkpoint(run, policy, opt)
         meter, history, wall, start_it = Meter(**state["meter"]), state["history"], state["wall"], state["iteration"] + 1
+        if writer:
+            print(f"resumed at iteration {state['iteration']}: checkpoint.pt ({(run / 'checkpoint.pt').stat().st_size / 1e6:.1f} MB) "
+                  f"loaded in {time.time() - loading:.2f} s")
     chunk_sizes = None
     if args.method == "chunk":
         trainable = trainable_steps(grid, args)
