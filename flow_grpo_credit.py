@@ -16,8 +16,11 @@ Contents
     2  Toy world (prompts, renderer,    8  GRPO loss (shared)
        exact GenEval-style scorer)      9  Train loop
     3  Models (toy text-to-image flow)  10 Eval, logging, plots
-    4  Rewards                          11 CLI
+    4  Real models (SD3, FLUX.1) and    11 CLI
+       PickScore / CLIP rewards
     5  SDE step and log-prob
+
+Multi-GPU: `torchrun --nproc_per_node N flow_grpo_credit.py ...` (section 9, `Dist` in section 0).
 
 Conventions
     * t = 1 is noise, t = 0 is data: x_t = (1 - t) x0 + t x1, the model predicts v = x1 - x0,
@@ -37,7 +40,8 @@ Deviations from the papers (METHODS.md "Project decisions")
     1. KL is the exact per-step Gaussian KL with the transition std, averaged over dimensions.
     2. Under the `ddim` SDE the first step (t = 1) is deterministic and is not trained.
     3. G2RPO continuations always end exactly at t = 0 (no early-stop Tweedie artefact).
-    4. The toy world replaces SD3.5 + GenEval: a 16x16 shapes world with an exact scorer.
+    4. The toy world stands in for SD3.5 + GenEval: a 16x16 shapes world with an exact scorer
+       (`--model` trains the real SD3 / FLUX.1 pipelines with the same code).
     5. Every method normalises advantages with the group's population std + 1e-4 (the official codes
        mix global std, torch's unbiased std and 1e-8).
     6. Chunk-GRPO's automatic chunks split the relative-L1 profile's total variation into equal
