@@ -1662,7 +1662,8 @@ def save_grid(images: torch.Tensor, metas: list[dict], verdicts: torch.Tensor | 
                 ax.imshow(images[i].permute(1, 2, 0).cpu().numpy(), interpolation="nearest")
                 ok = verdicts is None or bool(verdicts[i])
                 mark = "" if verdicts is None else "✓ " if ok else "✗ "
-                ax.set_title(textwrap.fill(mark + metas[i]["prompt"], 24)[:80], fontsize=6, color="green" if ok else "red")
+                ax.set_title(textwrap.fill(mark + metas[i]["prompt"], 24)[:80], fontsize=6,
+                             color="black" if verdicts is None else "green" if ok else "red")
         axes[row, 0].text(-0.1, 0.5, name, transform=axes[row, 0].transAxes, rotation=90, va="center", ha="right", fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
