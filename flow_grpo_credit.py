@@ -640,15 +640,13 @@ class PipelinePolicy:
         self.passes = 2 if self.guidance != 1.0 and not self.flux else 1
         self.dtype = self.net.dtype
         self.cache = {}  # prompt -> its embeddings: each prompt is encoded once
-        pipe.text_encoder.requires_grad_(False)
         self.net.to(device).requires_grad_(False)
         pipe.vae.to(device).requires_grad_(False)
         if args.low_memory:
             self.net.enable_gradient_checkpointing()
-        encoders = [getattr(pipe, n) for n in ("text_encoder", "text_encoder_2", "text_encoder_3") if getattr(pipe, n, None)]
-        for enc in encoders:
-            enc.to("cpu" if args.low_memory else device)
-        self.encoders = encoders
+        self.encoders = [getattr(pipe, n) for n in ("text_encoder", "text_encoder_2", "text_encoder_3") if getattr(pipe, n, None)]
+        for enc in self.encoders:
+            enc.to("cpu" if args.low_memory else device).requires_grad_(False)
 
     @property
     def device(self):
@@ -1358,8 +1356,9 @@ def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Gene
             return {"skipped": 1}
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        for p in params:
-            dist.sum(p.grad).div_(dist.world)
+        for p in params if dist.world > 1 else []:  # the gradient average DDP would do
+            if p.grad is not None:
+                dist.sum(p.grad).div_(dist.world)
         s["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
         opt.step()
         stats.append({"loss": loss.item(), **s})
