@@ -15,12 +15,13 @@ Contents
     1  Args                             7  Credit assignment (one function per method)
     2  Toy world (prompts, renderer,    8  GRPO loss (shared)
        exact GenEval-style scorer)      9  Train loop
-    3  Models (toy text-to-image flow)  10 Eval, logging, plots
+    3  Models (toy text-to-image flow)  10 Eval, benchmark, logging, plots
     4  Real models (SD3, FLUX.1) and    11 CLI
        PickScore / CLIP rewards
     5  SDE step and log-prob
 
 Multi-GPU: `torchrun --nproc_per_node N flow_grpo_credit.py ...` (section 9, `Dist` in section 0).
+Speed: `--benchmark N` times N iterations per phase, with FLOPs and MFU (section 10).
 
 Conventions
     * t = 1 is noise, t = 0 is data: x_t = (1 - t) x0 + t x1, the model predicts v = x1 - x0,
@@ -55,12 +56,14 @@ import json
 import math
 import os
 import random
+import resource
 import sys
 import textwrap
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -119,6 +122,10 @@ class Dist:
         if self.world > 1:
             torch.distributed.all_reduce(x)
         return x
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """(N, ...) on each rank -> (world*N, ...) in rank order."""
@@ -251,6 +258,10 @@ class Args:
     """stop after this many iterations in a row with non-finite rewards, advantages or loss"""
     compare_seeds: str = "0"
     """with --method all (or a list a,b): the seeds every method runs with, e.g. 0,1,2"""
+    benchmark: int = 0
+    """time N iterations (after one that counts FLOPs) and print seconds per phase, images/s, peak memory and MFU; writes nothing"""
+    peak_tflops: float = 0.0
+    """bf16 peak of the accelerator for --benchmark's MFU (0: known for H100, H200, A100)"""
 
     @property
     def sde_level(self) -> float:
@@ -758,12 +769,65 @@ def load_pipeline(args: Args, device) -> PipelinePolicy:
     return PipelinePolicy(pipe, args, device)
 
 
+# SD3.5-Medium's transformer and VAE (stabilityai/stable-diffusion-3.5-medium) and PickScore's CLIP ViT-H/14,
+# for benchmarks with random weights on machines that cannot download: speed and memory do not depend
+# on the weights' values.
+RANDOM_SD35M = "random-sd3.5-medium"
+SD35_MEDIUM = {"transformer": dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24,
+                                   attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096,
+                                   caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=384,
+                                   dual_attention_layers=tuple(range(13)), qk_norm="rms_norm"),
+               "vae": dict(latent_channels=16, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+                           down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                           norm_num_groups=32, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False,
+                           use_post_quant_conv=False),
+               "clip_widths": (768, 1280), "shift": 3.0}
+PICKSCORE_ARCH = {"text_config": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16),
+                  "vision_config": dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+                                        num_attention_heads=16, patch_size=14, image_size=224),
+                  "projection_dim": 1024}
+
+
+def prompt_tokenizer(length: int = 77):
+    """The toy word-level tokenizer, padded to CLIP's 77 tokens: enough for random text encoders."""
+    tok = build_tokenizer()
+    tok.model_max_length = length
+    return tok
+
+
+def random_sd35_medium(args: Args, device) -> PipelinePolicy:
+    """StableDiffusion3Pipeline with SD3.5-Medium's transformer and VAE (random weights). The two CLIP
+    text encoders are one-layer random models of the real widths and T5 is left out (the pipeline then
+    feeds zeros of T5's shape, 256 x 4096): text encoders run once per prompt, outside an iteration."""
+    import diffusers
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda") else torch.float32
+    tok = prompt_tokenizer()
+    clips = [CLIPTextModelWithProjection(CLIPTextConfig(vocab_size=len(tok), hidden_size=w, projection_dim=w, num_hidden_layers=1,
+                                                        num_attention_heads=8, intermediate_size=w, bos_token_id=0, eos_token_id=1))
+             for w in SD35_MEDIUM["clip_widths"]]
+    verbosity = diffusers.utils.logging.get_verbosity()
+    diffusers.utils.logging.set_verbosity_error()  # quiet about casting freshly built modules to bf16
+    pipe = StableDiffusion3Pipeline(
+        transformer=SD3Transformer2DModel(**SD35_MEDIUM["transformer"]).to(device, dtype),
+        vae=AutoencoderKL(**SD35_MEDIUM["vae"]).to(device, dtype),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=SD35_MEDIUM["shift"]), text_encoder=clips[0], tokenizer=tok,
+        text_encoder_2=clips[1], tokenizer_2=tok, text_encoder_3=None, tokenizer_3=None)
+    diffusers.utils.logging.set_verbosity(verbosity)
+    return PipelinePolicy(pipe, args, device)
+
+
 def load_policy(args: Args, device):
     import diffusers
     import transformers
 
     diffusers.utils.logging.disable_progress_bar()  # loading bars of tiny files are noise on stderr
     transformers.utils.logging.disable_progress_bar()
+    if args.model == RANDOM_SD35M:
+        return random_sd35_medium(args, device)
     return load_toy(args, device) if args.model == "toy" else load_pipeline(args, device)
 
 
@@ -775,8 +839,12 @@ class ClipReward:
     clip:      CLIPScore = 2.5 * max(cos(E_img, E_txt), 0) (Hessel et al. 2021)."""
 
     def __init__(self, kind: str, model: str, processor: str, device):
-        from transformers import AutoConfig, CLIPModel, CLIPProcessor
+        from transformers import AutoConfig, CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
+        if model == "random":  # PickScore's architecture with random weights, for benchmarks
+            self.kind, self.model = kind, CLIPModel(CLIPConfig(**PICKSCORE_ARCH)).to(device).eval().requires_grad_(False)
+            self.processor = SimpleNamespace(image_processor=CLIPImageProcessor(), tokenizer=prompt_tokenizer())
+            return
         processor = processor or ("" if model else CLIP_DEFAULTS[kind][1])  # a given model brings its processor
         model = model or CLIP_DEFAULTS[kind][0]
         processor = processor or model
@@ -1017,19 +1085,36 @@ class Context:
     policy: object
     args: Args
     meter: Meter
-    gen: torch.Generator  # all rollout noise of the iteration comes from here
+    gen: torch.Generator  # this rank's randomness: SDE noise, independent starting noise
     metas: list  # B prompts as GenEval metadata
     cond: dict  # prompt embeddings, batch-first (B, ...)
     grid: torch.Tensor  # (S+1,) base time grid
     reward_fn: object  # (images (N, 3, H, W) in [0, 1], metas) -> rewards (N,)
     chunk_sizes: list | None = None
     stats: dict = field(default_factory=dict)
+    dist: Dist = field(default_factory=Dist)  # under torchrun a group's members are spread over the ranks
+    shared_gen: torch.Generator | None = None  # the same on every rank (None: gen); what a group shares
+
+    def __post_init__(self):
+        if self.shared_gen is None:
+            self.shared_gen = self.gen
+
+    @property
+    def group_size(self) -> int:
+        """Members of each group sampled on this rank: --group-size, divided by the number of ranks."""
+        return self.args.group_size // self.dist.world
 
     def cond_of(self, prompt: torch.Tensor) -> dict:
         return {k: v[prompt] for k, v in self.cond.items()}
 
     def noise(self, n: int) -> torch.Tensor:
-        return initial_noise(self.policy, n, self.gen)  # (n, C, H, W)
+        """(n, C, H, W) independent starting noise, one per sample of this rank."""
+        return initial_noise(self.policy, n, self.gen)
+
+    def shared_noise(self, n: int) -> torch.Tensor:
+        """(n, C, H, W) starting noise a group shares: the same on every rank, since its members may be
+        sampled on several ranks."""
+        return initial_noise(self.policy, n, self.shared_gen)
 
     def rollout(self, prompt, x, times, stochastic) -> Trajectory:
         return rollout(self.policy, self.cond_of(prompt), x, times, stochastic, self.args, self.meter, self.gen)
@@ -1042,14 +1127,18 @@ class Context:
 
     def advantages(self, r: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
         """Group-relative advantage (r - mean_g) / (std_g + 1e-4), population std (METHODS §1.5).
-        A group whose rewards are all equal gets zero advantages (counted in zero_std_frac)."""
-        _, inv = torch.unique(group.to(r.device), return_inverse=True)
+        A group whose rewards are all equal gets zero advantages (counted in zero_std_frac).
+        Under torchrun the rewards of all ranks are gathered first, so a group spanning ranks is
+        normalised as a whole; each rank keeps the advantages of its own samples."""
+        local = slice(self.dist.rank * len(r), (self.dist.rank + 1) * len(r))
+        r, group = self.dist.gather(r), self.dist.gather(group.to(r.device))  # (ranks*N,) in rank order
+        _, inv = torch.unique(group, return_inverse=True)
         n = torch.zeros(int(inv.max()) + 1, device=r.device).index_add_(0, inv, torch.ones_like(r))
         mean = torch.zeros_like(n).index_add_(0, inv, r) / n
         var = torch.zeros_like(n).index_add_(0, inv, (r - mean[inv]) ** 2) / n
         std = var.sqrt()
         self.stats.setdefault("zero_std", []).extend((std < 1e-8).tolist())
-        return (r - mean[inv]) / (std[inv] + 1e-4)
+        return ((r - mean[inv]) / (std[inv] + 1e-4))[local]
 
     def trainable(self) -> torch.Tensor:
         return trainable_steps(self.grid, self.args)
@@ -1088,7 +1177,7 @@ def flow_grpo(ctx: Context):
     All steps SDE from independent noises; one group-normalised advantage per image,
         A_i = (R_i - mean_group R) / (std_group R + 1e-4),
     broadcast to every trained step (the last step is not trained)."""
-    b, g, s = len(ctx.metas), ctx.args.group_size, len(ctx.grid) - 1
+    b, g, s = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
     prompt = repeat(torch.arange(b), g)  # (B*G,)
     traj = ctx.rollout(prompt, ctx.noise(b * g), ctx.grid, [True] * s)
     r = ctx.reward(traj.states[:, -1], prompt)  # (B*G,)
@@ -1103,9 +1192,9 @@ def stepwise(ctx: Context):
     by `tweedie_substeps` ODE steps to t = 0: r[i, k] = R(x0_hat(x_k)); credit of step k is its gain
         g[i, k] = r[i, k+1] - r[i, k],   A = (g - mean_{i,k} g) / std_{i,k} g   over the prompt's group.
     Differs from flow_grpo by: per-step gains instead of one broadcast advantage; shared noise."""
-    b, g, s, n = len(ctx.metas), ctx.args.group_size, len(ctx.grid) - 1, ctx.args.tweedie_substeps
+    b, g, s, n = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1, ctx.args.tweedie_substeps
     prompt = repeat(torch.arange(b), g)  # (B*G,)
-    traj = ctx.rollout(prompt, repeat(ctx.noise(b), g), ctx.grid, [True] * s)
+    traj = ctx.rollout(prompt, repeat(ctx.shared_noise(b), g), ctx.grid, [True] * s)
     t = traj.times[:, :-1].reshape(-1)  # (B*G*S,) times of the intermediate states
     frac = torch.linspace(1, 0, n + 1, device=t.device)  # sub-grid t_k -> 0 in n equal steps
     x0_hat = ctx.rollout(repeat(prompt, s), traj.states[:, :-1].flatten(0, 1), t[:, None] * frac, [False] * n)
@@ -1129,9 +1218,9 @@ def tempflow(ctx: Context):
     ODE state s_k and finish by ODE; process reward R_k^j; advantage over the G children of one
     (prompt, seed, k); loss weight w_k = std_k / mean_{trained k'} std_k' (mean 1).
     Differs from flow_grpo by: one stochastic step per rollout; per-step rewards; noise-aware weights."""
-    b, g, s, seeds = len(ctx.metas), ctx.args.group_size, len(ctx.grid) - 1, ctx.args.seeds
+    b, g, s, seeds = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1, ctx.args.seeds
     prompt = repeat(torch.arange(b), seeds)  # (B*seeds,)
-    main = ctx.rollout(prompt, ctx.noise(b * seeds), ctx.grid, [False] * s)
+    main = ctx.rollout(prompt, ctx.shared_noise(b * seeds), ctx.grid, [False] * s)
     trainable = ctx.trainable()
     stds = step_stds(ctx.grid, ctx.args)
     weight = stds / stds[trainable].mean()  # (S,) Norm(sigma_t sqrt(dt)) to mean 1 over trained steps
@@ -1155,9 +1244,9 @@ def g2rpo(ctx: Context):
     lambda-th grid node after t_{k+1}, ending at t = 0) and scored; fused advantage
         A_k^i = sum_lambda (R_k^{i,lambda} - mean_i) / std_i.
     Differs from tempflow by: one anchor per prompt, k over the first half, multi-granularity sum, no weights."""
-    b, g, s = len(ctx.metas), ctx.args.group_size, len(ctx.grid) - 1
+    b, g, s = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
     prompt = torch.arange(b)
-    anchor = ctx.rollout(prompt, ctx.noise(b), ctx.grid, [False] * s)
+    anchor = ctx.rollout(prompt, ctx.shared_noise(b), ctx.grid, [False] * s)
     first_half = ctx.trainable() & (torch.arange(s) < s // 2)
     parts, rewards = [], []
     for k in branch_points(ctx, first_half):
@@ -1182,9 +1271,9 @@ def chunk(ctx: Context):
         ratio_j = exp( mean_{k in chunk j} (log pi_theta - log pi_old) ).
     Optionally only a fraction of the chunks is trained, drawn by their mean relative L1.
     Differs from flow_grpo by: chunk ids that make the shared loss use chunk-level ratios."""
-    b, g, s = len(ctx.metas), ctx.args.group_size, len(ctx.grid) - 1
+    b, g, s = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
     prompt = repeat(torch.arange(b), g)  # (B*G,)
-    traj = ctx.rollout(prompt, repeat(ctx.noise(b), g), ctx.grid, [True] * s)
+    traj = ctx.rollout(prompt, repeat(ctx.shared_noise(b), g), ctx.grid, [True] * s)
     r = ctx.reward(traj.states[:, -1], prompt)
     adv = ctx.advantages(r, prompt)[:, None]
     trainable = ctx.trainable()
@@ -1212,7 +1301,7 @@ def branch_points(ctx: Context, allowed: torch.Tensor) -> list[int]:
     """Steps k where TempFlow/G2RPO branch: all allowed ones, or `branch_steps` of them at random."""
     ks = torch.nonzero(allowed).flatten()
     if 0 < ctx.args.branch_steps < len(ks):
-        ks = ks[torch.randperm(len(ks), generator=ctx.gen, device=ctx.gen.device)[: ctx.args.branch_steps].cpu()].sort().values
+        ks = ks[torch.randperm(len(ks), generator=ctx.shared_gen, device=ctx.shared_gen.device)[: ctx.args.branch_steps].cpu()].sort().values
     return ks.tolist()
 
 
@@ -1414,7 +1503,8 @@ def validate(args: Args) -> None:
               ("lora-rank", args.lora_rank >= 0, ">= 0"),
               ("lora-alpha", args.lora_alpha >= 0, ">= 0"), ("resolution", args.resolution % 16 == 0 and args.resolution > 0, "a positive multiple of 16"), ("branch-steps", args.branch_steps >= 0, ">= 0"),
               ("pretrain-steps", args.pretrain_steps >= 1, ">= 1"), ("max-grad-norm", args.max_grad_norm > 0, "> 0"),
-              ("checkpoint-every", args.checkpoint_every >= 1, ">= 1"), ("max-nonfinite", args.max_nonfinite >= 1, ">= 1")]
+              ("checkpoint-every", args.checkpoint_every >= 1, ">= 1"), ("max-nonfinite", args.max_nonfinite >= 1, ">= 1"),
+              ("benchmark", args.benchmark >= 0, ">= 0"), ("peak-tflops", args.peak_tflops >= 0, ">= 0")]
     for flag, ok, valid in checks:
         if not ok:
             raise UsageError(f"--{flag} must be {valid}, got {getattr(args, flag.replace('-', '_'))!r}")
@@ -1454,9 +1544,24 @@ def prompt_sets(args: Args) -> tuple[list[dict] | None, list[dict]]:
     return [m for i, m in enumerate(metas) if i % 10], metas[::10]
 
 
+def iteration_prompts(args: Args, train_pool: list[dict] | None, it: int) -> list[dict]:
+    """The prompts of iteration `it`: drawn from --prompts, or generated in the toy grammar."""
+    rng = random.Random(stable_seed(args.seed, "prompts", it))
+    return [rng.choice(train_pool) for _ in range(args.prompts_per_iter)] if train_pool else \
+        train_prompts(args.prompts_per_iter, rng)
+
+
 def toy_reward(images: torch.Tensor, metas: list[dict]) -> torch.Tensor:
     """The default RL reward of the toy world: the scorer's dense partial score in [0, 1]."""
     return score_batch(images, metas)[1]
+
+
+def chunk_sizes_of(policy, args: Args, grid: torch.Tensor) -> list[int] | None:
+    """Chunk-GRPO's chunk sizes over the trained steps (--chunks, or auto); None for other methods."""
+    if args.method != "chunk":
+        return None
+    trainable = trainable_steps(grid, args)
+    return parse_chunks(args.chunks, int(trainable.sum())) or auto_chunk_sizes(policy, args, grid, trainable)
 
 
 def auto_chunk_sizes(policy, args: Args, grid: torch.Tensor, trainable: torch.Tensor) -> list[int]:
@@ -1472,22 +1577,27 @@ def auto_chunk_sizes(policy, args: Args, grid: torch.Tensor, trainable: torch.Te
 def train(args: Args, resume: str | None = None) -> list[dict]:
     """Run GRPO with the chosen credit assignment; returns the metric records (also in metrics.jsonl).
     With `resume` (a run folder), continue from its last checkpoint up to `args.iterations`.
-    Under `torchrun --nproc_per_node N`, each rank takes every N-th prompt of the iteration (whole
-    groups, so TempFlow's and G2RPO's branches keep their shared state), gradients are averaged over
-    ranks, metrics are gathered, and only rank 0 writes files."""
+    Under `torchrun --nproc_per_node N`, every rank takes all prompts of the iteration and samples
+    group_size / N members of each group (what a group shares, its starting noise or ODE anchor, is
+    drawn from a generator common to all ranks); rewards are all-gathered before group normalisation,
+    gradients are averaged over ranks, metrics are gathered, and only rank 0 writes files."""
     validate(args)
     device = resolve_device(args.device)
     dist = Dist.setup(device)
     if dist.world > 1 and device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    if args.prompts_per_iter % dist.world:
-        raise UsageError(f"--prompts-per-iter {args.prompts_per_iter} must be a multiple of the {dist.world} ranks")
+    if args.group_size % dist.world:
+        raise UsageError(f"--group-size {args.group_size} must be a multiple of the {dist.world} ranks")
     writer = dist.rank == 0
     seed_everything(args.seed)
     run = Path(resume) if resume else make_run_dir(args) if writer else None  # before the slow loading
     try:
+        if dist.rank > 0:  # rank 0 loads first: it alone pretrains and caches the toy model if needed
+            dist.barrier()
         policy, reward_fn = load_policy(args, device), build_reward(args, device)
+        if dist.rank == 0:
+            dist.barrier()
         train_pool, eval_metas = prompt_sets(args)
     except UsageError:
         if run and not resume:  # a model or reward that does not load leaves no empty run folder behind
@@ -1506,12 +1616,9 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
         if writer:
             print(f"resumed at iteration {state['iteration']}: checkpoint.pt ({(run / 'checkpoint.pt').stat().st_size / 1e6:.1f} MB) "
                   f"loaded in {time.time() - loading:.2f} s")
-    chunk_sizes = None
-    if args.method == "chunk":
-        trainable = trainable_steps(grid, args)
-        chunk_sizes = parse_chunks(args.chunks, int(trainable.sum())) or auto_chunk_sizes(policy, args, grid, trainable)
-        if writer:
-            print(f"chunk sizes over the trained steps: {chunk_sizes}")
+    chunk_sizes = chunk_sizes_of(policy, args, grid)
+    if chunk_sizes and writer:
+        print(f"chunk sizes over the trained steps: {chunk_sizes}")
     log = (run / "metrics.jsonl").open("w") if writer else None
     for entry in history if writer else []:  # a resumed run rewrites what its checkpoint holds, dropping later lines
         log.write(json.dumps(entry) + "\n")
@@ -1540,13 +1647,11 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
     bar = tqdm(range(start_it, args.iterations + 1), desc=args.method, dynamic_ncols=True, disable=not writer)
     for it in bar:
         start = time.time()
-        rng = random.Random(stable_seed(args.seed, "prompts", it))
-        metas = [rng.choice(train_pool) for _ in range(args.prompts_per_iter)] if train_pool else \
-            train_prompts(args.prompts_per_iter, rng)
-        metas = metas[dist.rank::dist.world]
-        gen = generator(device, args.seed, "rollout", it, *([dist.rank] if dist.world > 1 else []))
+        metas = iteration_prompts(args, train_pool, it)
+        shared = generator(device, args.seed, "rollout", it)
+        gen = generator(device, args.seed, "rollout", it, dist.rank) if dist.world > 1 else shared
         ctx = Context(policy, args, meter, gen, metas, policy.encode([m["prompt"] for m in metas]), grid, reward_fn,
-                      chunk_sizes)
+                      chunk_sizes, dist=dist, shared_gen=shared)
         transitions, rewards = METHODS[args.method](ctx)
         finite = bool(torch.isfinite(rewards).all() and torch.isfinite(transitions.advantage).all())
         finite = total(int(finite)) == dist.world
@@ -1562,9 +1667,9 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
                            f"advantages or loss; the last good checkpoint is in {run}")
         per_step = {f"adv_abs/{k}": float(transitions.advantage[transitions.step == k].abs().mean())
                     for k in torch.unique(transitions.step).tolist()}
-        rewards, zero_std = dist.gather(rewards.float()), dist.gather(torch.tensor(ctx.stats["zero_std"], dtype=torch.float32))
+        rewards = dist.gather(rewards.float())  # zero_std is over whole groups already, the same on every rank
         entry = {"iteration": it, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()), **stats,
-                 "zero_std_frac": float(zero_std.mean()), "transitions": total(len(transitions)),
+                 "zero_std_frac": float(np.mean(ctx.stats["zero_std"])), "transitions": total(len(transitions)),
                  "nfe": total(meter.nfe), "reward_calls": total(meter.reward_calls), "wall_s": round(wall, 2), **per_step}
         record(entry)
         bar.set_postfix(reward=f"{entry['reward_mean']:.3f}", kl=f"{entry.get('kl', 0):.2g}")
@@ -1612,7 +1717,7 @@ def load_checkpoint(run: Path, policy, opt) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------
-# 10 Eval, logging, plots
+# 10 Eval, benchmark, logging, plots
 
 
 @torch.no_grad()
@@ -1690,6 +1795,85 @@ def plot_curves(history: list[dict], path: Path, label: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, from the vendors' data sheets
+
+
+def benchmark(args: Args) -> dict:
+    """Cost of a training iteration, split into sampling / reward / training: seconds, images per
+    second, peak memory, and the MFU of sampling and of training (forward + backward) against the
+    accelerator's bf16 peak. One iteration runs under torch's FlopCounterMode, which counts the FLOPs
+    of every matmul, convolution and attention (and warms up); the next `args.benchmark` are timed.
+    Nothing is written. Real speed on SD3.5-M: --model random-sd3.5-medium --reward-model random."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    validate(args)
+    device = resolve_device(args.device)
+    seed_everything(args.seed)
+    policy, reward_fn = load_policy(args, device), build_reward(args, device)
+    opt = torch.optim.AdamW(add_lora(policy, args), lr=args.lr, weight_decay=args.weight_decay)
+    grid, (train_pool, _) = policy.time_grid(args.steps), prompt_sets(args)
+    chunk_sizes = chunk_sizes_of(policy, args, grid)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    counter, spent = FlopCounterMode(display=False), {}
+
+    def timed_reward(images, metas):  # the reward's share of the sampling phase
+        sync()
+        start, before = time.perf_counter(), counter.get_total_flops()
+        r = reward_fn(images, metas)
+        sync()
+        spent["reward_s"] += time.perf_counter() - start
+        spent["reward_flops"] += counter.get_total_flops() - before
+        return r
+
+    def iteration(it: int) -> dict:
+        spent.update(reward_s=0.0, reward_flops=0)
+        metas = iteration_prompts(args, train_pool, it)
+        cond = policy.encode([m["prompt"] for m in metas])  # once per prompt, as in training: not timed
+        ctx = Context(policy, args, Meter(), generator(device, args.seed, "benchmark", it), metas, cond, grid,
+                      timed_reward, chunk_sizes)
+        sync()
+        start, f0 = time.perf_counter(), counter.get_total_flops()
+        transitions, _ = METHODS[args.method](ctx)
+        sync()
+        mid, f1 = time.perf_counter(), counter.get_total_flops()
+        update(policy, opt, cond, transitions, args, ctx.gen)
+        sync()
+        return {"sampling_s": mid - start - spent["reward_s"], "reward_s": spent["reward_s"], "training_s": time.perf_counter() - mid,
+                "sampling_flops": f1 - f0 - spent["reward_flops"], "reward_flops": spent["reward_flops"],
+                "training_flops": counter.get_total_flops() - f1, "passes": ctx.meter.nfe, "images": ctx.meter.reward_calls,
+                "transitions": len(transitions)}
+
+    with counter:  # FLOPs per forward pass, per scored image and per trained transition; also the warm-up
+        counted = iteration(0)
+    per = {"passes": counted["sampling_flops"] / counted["passes"], "images": counted["reward_flops"] / counted["images"],
+           "transitions": counted["training_flops"] / counted["transitions"]}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    timed = [iteration(it) for it in tqdm(range(1, args.benchmark + 1), desc="benchmark", dynamic_ncols=True)]
+    mean = {k: float(np.mean([t[k] for t in timed])) for k in timed[0] if not k.endswith("flops")}  # counted above
+    total = mean["sampling_s"] + mean["reward_s"] + mean["training_s"]
+    flop_rate = {"sampling": per["passes"] * mean["passes"] / mean["sampling_s"],
+                 "training": per["transitions"] * mean["transitions"] / mean["training_s"]}  # FLOP/s
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    peak = args.peak_tflops or next((v for k, v in BF16_PEAK_TFLOPS.items() if k in gpu), 0.0)
+    memory = torch.cuda.max_memory_allocated(device) if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result = {"method": args.method, "model": args.model, "device": gpu or "cpu", **{k: round(mean[k], 4) for k in mean},
+              "total_s": round(total, 4), "images_per_s": mean["images"] / total, "seconds_per_image": total / mean["images"],
+              "peak_memory_gb": memory / 1e9, "flops_per_pass": per["passes"], "flops_per_image_reward": per["images"],
+              "flops_per_transition": per["transitions"], **{f"tflops_{k}": v / 1e12 for k, v in flop_rate.items()},
+              **{f"mfu_{k}": v / (peak * 1e12) if peak else None for k, v in flop_rate.items()}}
+    mfu = (f"MFU against the bf16 peak of {peak:g} TFLOP/s: sampling {result['mfu_sampling']:.1%}, training "
+           f"{result['mfu_training']:.1%}" if peak else "MFU: unknown peak (give --peak-tflops)")
+    print(f"{args.method} on {args.model} ({gpu or 'cpu'}): {args.prompts_per_iter} prompts x group {args.group_size}, "
+          f"{args.steps} steps, {policy.passes} forward pass(es) a step\n"
+          f"per iteration (mean of {args.benchmark}): sampling {mean['sampling_s']:.2f} s, reward {mean['reward_s']:.2f} s, "
+          f"training {mean['training_s']:.2f} s, total {total:.2f} s = {result['seconds_per_image']:.3f} s per image "
+          f"({result['images_per_s']:.2f} images/s); peak memory {result['peak_memory_gb']:.2f} GB\n"
+          f"achieved: sampling {result['tflops_sampling']:.3g} TFLOP/s, training forward+backward "
+          f"{result['tflops_training']:.3g} TFLOP/s; {mfu}\n{json.dumps(result)}")
+    return result
 
 
 def compare(args: Args) -> Path:
@@ -1813,7 +1997,10 @@ def main(argv=None) -> int:
     try:
         args, resume = parse_args(argv)
         several = args.method == "all" or "," in args.method or "," in args.compare_seeds
-        compare(args) if several and not resume else train(args, resume)
+        if args.benchmark and not resume:
+            benchmark(args)
+        else:
+            compare(args) if several and not resume else train(args, resume)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
