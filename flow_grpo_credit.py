@@ -56,7 +56,6 @@ import json
 import math
 import os
 import random
-import resource
 import sys
 import textwrap
 import time
@@ -1858,7 +1857,12 @@ def benchmark(args: Args) -> dict:
                  "training": per["transitions"] * mean["transitions"] / mean["training_s"]}  # FLOP/s
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     peak = args.peak_tflops or next((v for k, v in BF16_PEAK_TFLOPS.items() if k in gpu), 0.0)
-    memory = torch.cuda.max_memory_allocated(device) if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if gpu:
+        memory = torch.cuda.max_memory_allocated(device)
+    else:  # the process's peak resident memory (Linux reports KiB; `resource` is Unix-only)
+        import resource
+
+        memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result = {"method": args.method, "model": args.model, "device": gpu or "cpu", **{k: round(mean[k], 4) for k in mean},
               "total_s": round(total, 4), "images_per_s": mean["images"] / total, "seconds_per_image": total / mean["images"],
               "peak_memory_gb": memory / 1e9, "flops_per_pass": per["passes"], "flops_per_image_reward": per["images"],
