@@ -749,13 +749,18 @@ def lora_layers(net) -> dict:
     return {k: v * scale if "lora_B" in k else v for k, v in get_peft_model_state_dict(net).items()}
 
 
+def weight_dtype(args: Args, device) -> torch.dtype:
+    """--dtype: bf16 or fp32 weights of a real model (auto: bf16 on CUDA, fp32 on the CPU)."""
+    return torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda") else torch.float32
+
+
 def load_pipeline(args: Args, device) -> PipelinePolicy:
     """A diffusers SD3 / SD3.5 / FLUX.1 pipeline from a folder or hub id (offline caches work)."""
     from diffusers import DiffusionPipeline, FluxPipeline, StableDiffusion3Pipeline
 
     if Path(args.model).exists() and not (Path(args.model) / "model_index.json").exists():
         raise UsageError(f"--model {args.model}: no model_index.json there; a diffusers pipeline folder is expected")
-    dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda") else torch.float32
+    dtype = weight_dtype(args, device)
     try:
         with warnings.catch_warnings():  # newer diffusers call it `dtype`; `torch_dtype` works in every version
             warnings.simplefilter("ignore", FutureWarning)
@@ -803,7 +808,7 @@ def random_sd35_medium(args: Args, device) -> PipelinePolicy:
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
     torch.manual_seed(0)
-    dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda") else torch.float32
+    dtype = weight_dtype(args, device)
     tok = prompt_tokenizer()
     clips = [CLIPTextModelWithProjection(CLIPTextConfig(vocab_size=len(tok), hidden_size=w, projection_dim=w, num_hidden_layers=1,
                                                         num_attention_heads=8, intermediate_size=w, bos_token_id=0, eos_token_id=1))
