@@ -169,8 +169,8 @@ class Args:
     """fp32 or bf16 weights of a real model (auto: bf16 on CUDA, fp32 on the CPU); the SDE math stays fp32"""
     low_memory: bool = False
     """real models, the 24 GB recipe: gradient checkpointing, text encoders on the CPU between encodings, VAE decoding in slices"""
-    iterations: int = 56
-    """GRPO iterations (sample, score, update)"""
+    iterations: int = 0
+    """GRPO iterations (sample, score, update); 0: the method's default, about 10 minutes of the toy world on 2 CPU cores"""
     prompts_per_iter: int = 8
     """prompts sampled per iteration"""
     group_size: int = 8
@@ -207,8 +207,8 @@ class Args:
     """PPO clip epsilon; small because the log-prob is a mean over dimensions"""
     adv_clip: float = 5.0
     """advantages are clamped to [-adv_clip, adv_clip]"""
-    beta: float = 0.02
-    """weight of the per-step Gaussian KL to the reference (LoRA disabled)"""
+    beta: float = 0.0
+    """weight of the per-step Gaussian KL to the reference (LoRA disabled); 0 skips the reference pass (README, Results)"""
     guidance: float = 0.0
     """guidance scale: real CFG on toy and SD3 (1 = no negative branch), distilled on FLUX (0: toy 1, SD3 4.5, FLUX 3.5)"""
     lora_rank: int = 0
@@ -219,8 +219,8 @@ class Args:
     # SDE (METHODS §1.2, §4.1)
     sde: str = "flow"
     """SDE kind of stochastic steps: flow (Flow-GRPO) or ddim (Stepwise's DDIM-inspired SDE)"""
-    noise_level: float = 0.7
-    """a in sigma_t = a*sqrt(t/(1-t)) of the flow SDE"""
+    noise_level: float = 1.0
+    """a in sigma_t = a*sqrt(t/(1-t)) of the flow SDE (Flow-GRPO: 0.7; 1.0 explores more, README, Results)"""
     ddim_eta: float = 1.0
     """eta in sigma_k = eta*t_{k+1}*sqrt(1-t_k) of the ddim SDE"""
 
@@ -550,9 +550,9 @@ class ToyPolicy:
         """The adapter in diffusers' LoRA format, which `unet.load_lora_adapter` reads. Keys stay in peft
         format: diffusers' old-format conversion renames only the attention layers and would leave the
         conv LoRA keys as they are, a mix its own loader then rejects."""
-        from diffusers import StableDiffusionPipeline
+        from diffusers.loaders import StableDiffusionLoraLoaderMixin  # the pipeline's saver, without importing pipelines
 
-        StableDiffusionPipeline.save_lora_weights(folder, unet_lora_layers=lora_layers(self.net))
+        StableDiffusionLoraLoaderMixin.save_lora_weights(folder, unet_lora_layers=lora_layers(self.net))
 
 
 def toy_cache_dir(args: Args) -> Path:
@@ -1299,6 +1299,9 @@ def chunk(ctx: Context):
 
 
 METHODS = {"flow_grpo": flow_grpo, "stepwise": stepwise, "tempflow": tempflow, "g2rpo": g2rpo, "chunk": chunk}
+# --iterations 0: each method's default run, about 10 minutes of the toy world on 2 CPU cores, so a
+# method that spends more forward passes per iteration (README, Results) runs fewer iterations.
+DEFAULT_ITERATIONS = {"flow_grpo": 64, "stepwise": 28, "tempflow": 48, "g2rpo": 40, "chunk": 64}
 
 
 def branch_points(ctx: Context, allowed: torch.Tensor) -> list[int]:
@@ -1494,7 +1497,7 @@ def validate(args: Args) -> None:
         raise UsageError(f"unknown --method {args.method!r}; choose one of {', '.join(METHODS)} (or all)")
     if args.sde not in SDE_KINDS:
         raise UsageError(f"unknown --sde {args.sde!r}; choose one of {', '.join(SDE_KINDS)}")
-    checks = [("iterations", args.iterations >= 1, ">= 1"), ("group-size", args.group_size >= 2, ">= 2"),
+    checks = [("iterations", args.iterations >= 0, ">= 0 (0: the method's default)"), ("group-size", args.group_size >= 2, ">= 2"),
               ("prompts-per-iter", args.prompts_per_iter >= 1, ">= 1"), ("steps", args.steps >= 3, ">= 3"),
               ("eval-steps", args.eval_steps >= 1, ">= 1"), ("eval-every", args.eval_every >= 1, ">= 1"),
               ("eval-per-tag", args.eval_per_tag >= 1, ">= 1"), ("lr", args.lr > 0, "> 0"),
@@ -1586,6 +1589,7 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
     drawn from a generator common to all ranks); rewards are all-gathered before group normalisation,
     gradients are averaged over ranks, metrics are gathered, and only rank 0 writes files."""
     validate(args)
+    args = dataclasses.replace(args, iterations=args.iterations or DEFAULT_ITERATIONS[args.method])
     device = resolve_device(args.device)
     dist = Dist.setup(device)
     if dist.world > 1 and device.type == "cuda":
@@ -1911,7 +1915,8 @@ def compare(args: Args) -> Path:
         rows.append(f"| {m} | {cell([e[0]['eval_overall'] for e in per_seed])} | {cell([e[-1]['eval_overall'] for e in per_seed])} | "
                     f"{cell([at(e, 'wall_s') for e in per_seed])} | {cell([at(e, 'nfe') for e in per_seed])} | "
                     f"{np.mean([e[-1]['wall_s'] for e in per_seed]):.0f} | {np.mean([e[-1]['nfe'] for e in per_seed]):.3g} |")
-    note = (f"Held-out toy-GenEval overall, mean ± std over seeds {seeds}; {args.iterations} iterations each. "
+    iterations = args.iterations or "the method's default"
+    note = (f"Held-out toy-GenEval overall, mean ± std over seeds {seeds}; {iterations} iterations each. "
             f"Budgets: {budgets['wall_s']:.0f} s of training wall-clock, {budgets['nfe']:.3g} forward passes "
             "(the smallest final value over all runs); a method is scored at its last evaluation within the budget.")
     (folder / "comparison.md").write_text(note + "\n\n" + "\n".join(rows) + "\n")

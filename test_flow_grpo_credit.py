@@ -262,7 +262,7 @@ def test_nfe_counts_every_forward_pass():
 @pytest.mark.parametrize("argv,needle", [
     (["--method", "ppo"], "flow_grpo, stepwise, tempflow, g2rpo, chunk"),
     (["--group-size", "1"], "--group-size must be >= 2"),
-    (["--iterations", "0"], "--iterations must be >= 1"),
+    (["--iterations", "-1"], "--iterations must be >= 0"),
     (["--method", "chunk", "--chunks", "2,2"], "summing to the 9 trained steps"),
     (["--method", "g2rpo", "--granularities", "1,0"], "--granularities"),
     (["--sde", "euler"], "flow, ddim"),
