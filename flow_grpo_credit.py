@@ -50,6 +50,7 @@ Deviations from the papers (METHODS.md "Project decisions")
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -199,6 +200,8 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """global gradient-norm clip"""
+    ema: float = 0.9
+    """decay of the moving average of the adapter weights (updated once per iteration) that is evaluated and saved, as Flow-GRPO does (0.9); 0: the latest weights"""
     inner_updates: int = 8
     """optimizer steps per iteration (the samples are split into this many minibatches)"""
     train_fraction: float = 1.0
@@ -1466,6 +1469,35 @@ def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Gene
 # ----------------------------------------------------------------------------------------------------
 # 9 Train loop
 
+class WeightAverage:
+    """Exponential moving average of the trainable weights, updated once per iteration. Flow-GRPO
+    evaluates and checkpoints this average (METHODS §1.6-1.7: decay 0.9), which smooths out the
+    iteration-to-iteration noise of small-batch policy gradients. `with average.applied():` puts the
+    average into the model and restores the live weights afterwards."""
+
+    def __init__(self, params: list, decay: float):
+        self.params, self.decay = params, decay
+        self.shadow = [p.detach().clone() for p in params]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for avg, p in zip(self.shadow, self.params):
+            avg.lerp_(p, 1 - self.decay)
+
+    @contextlib.contextmanager
+    def applied(self):
+        live = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p, avg in zip(self.params, self.shadow):
+                p.copy_(avg)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, w in zip(self.params, live):
+                    p.copy_(w)
+
+
 def add_lora(policy, args: Args) -> list[torch.nn.Parameter]:
     """LoRA through peft on the denoiser (diffusers' add_adapter); the base weights are frozen."""
     from peft import LoraConfig
@@ -1509,7 +1541,7 @@ def validate(args: Args) -> None:
               ("train-fraction", 0 < args.train_fraction <= 1, "in (0, 1]"), ("num-chunks", args.num_chunks >= 1, ">= 1"),
               ("lora-rank", args.lora_rank >= 0, ">= 0"),
               ("lora-alpha", args.lora_alpha >= 0, ">= 0"), ("resolution", args.resolution % 16 == 0 and args.resolution > 0, "a positive multiple of 16"), ("branch-steps", args.branch_steps >= 0, ">= 0"),
-              ("pretrain-steps", args.pretrain_steps >= 1, ">= 1"), ("max-grad-norm", args.max_grad_norm > 0, "> 0"),
+              ("pretrain-steps", args.pretrain_steps >= 1, ">= 1"), ("ema", 0 <= args.ema < 1, "in [0, 1)"), ("max-grad-norm", args.max_grad_norm > 0, "> 0"),
               ("checkpoint-every", args.checkpoint_every >= 1, ">= 1"), ("max-nonfinite", args.max_nonfinite >= 1, ">= 1"),
               ("benchmark", args.benchmark >= 0, ">= 0"), ("peak-tflops", args.peak_tflops >= 0, ">= 0")]
     for flag, ok, valid in checks:
@@ -1615,12 +1647,14 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
         (run / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
     params = add_lora(policy, args)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    average = WeightAverage(params, args.ema)  # what is evaluated and saved
     grid = policy.time_grid(args.steps)
     meter, history, wall, start_it, bad_in_row = Meter(), [], 0.0, 1, 0
     if resume:
         loading = time.time()
         state = load_checkpoint(run, policy, opt)
         meter, history, wall, start_it = Meter(**state["meter"]), state["history"], state["wall"], state["iteration"] + 1
+        average.shadow = [t.to(policy.device) for t in state["ema"]]
         if writer:
             print(f"resumed at iteration {state['iteration']}: checkpoint.pt ({(run / 'checkpoint.pt').stat().st_size / 1e6:.1f} MB) "
                   f"loaded in {time.time() - loading:.2f} s")
@@ -1643,7 +1677,8 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
     def run_eval(iteration: int) -> None:
         nfe = total(meter.nfe)
         if writer:  # the other ranks go on and wait for rank 0 at the next gradient average
-            metrics, images, metas, verdicts = evaluate(policy, args, reward_fn, eval_metas)
+            with average.applied():
+                metrics, images, metas, verdicts = evaluate(policy, args, reward_fn, eval_metas)
             record({"iteration": iteration, **metrics, "nfe": nfe, "wall_s": round(wall, 2)})
             save_grid(images, metas, verdicts, run / f"samples_{iteration:04d}.png",
                       f"{args.method} iteration {iteration}: held-out score {metrics['eval_overall']:.3f}")
@@ -1666,6 +1701,7 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
         stats = update(policy, opt, ctx.cond, transitions, args, ctx.gen, dist) if finite else {"skipped": 1}
         if not stats.get("skipped"):  # training (+ reference) passes actually run
             meter.forward(policy, len(transitions) * (2 if args.beta > 0 else 1))
+            average.update()
         wall += time.time() - start
         bad_in_row = bad_in_row + 1 if stats.get("skipped") else 0
         if bad_in_row and writer:
@@ -1685,11 +1721,12 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
             run_eval(it)
         if (it % args.checkpoint_every == 0 or it == args.iterations) and not bad_in_row and writer:
             save_checkpoint(run, policy, opt, {"iteration": it, "meter": dataclasses.asdict(meter), "wall": wall,
-                                               "history": history})
+                                               "history": history, "ema": average.shadow})
     if not writer:
         return history
     log.close()
-    policy.save_lora(run / "lora")
+    with average.applied():
+        policy.save_lora(run / "lora")
     plot_curves(history, run / "reward_curve.png", args.method)
     evals = [h for h in history if "eval_overall" in h]
     score = "toy-GenEval overall" if args.model == "toy" else "held-out reward"
@@ -1700,7 +1737,7 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
 
 
 def save_checkpoint(run: Path, policy, opt, state: dict) -> None:
-    """Adapter weights, optimizer state, RNG state and progress, written atomically (tmp, then rename).
+    """Adapter weights and their moving average, optimizer state, RNG state and progress, written atomically (tmp, then rename).
     Every iteration's randomness is derived from (seed, iteration), so this is all a resume needs."""
     from peft.utils import get_peft_model_state_dict
 

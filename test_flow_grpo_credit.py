@@ -280,6 +280,13 @@ def test_bad_input_is_a_one_line_error_with_status_2(argv, needle, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_every_method_has_a_default_run_length():
+    """--iterations 0 (the default) picks the method's ~10-minute run length; a method without one would
+    fail only when a user runs it."""
+    assert fgc.Args().iterations == 0 and fgc.DEFAULT_ITERATIONS.keys() == fgc.METHODS.keys()
+    assert all(n >= 1 for n in fgc.DEFAULT_ITERATIONS.values())
+
+
 # ----------------------------------------------------------------------------------------------------
 # end to end on a briefly pretrained toy model: determinism, resume, non-finite guard, LoRA files
 
