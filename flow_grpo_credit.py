@@ -1304,7 +1304,7 @@ def chunk(ctx: Context):
 METHODS = {"flow_grpo": flow_grpo, "stepwise": stepwise, "tempflow": tempflow, "g2rpo": g2rpo, "chunk": chunk}
 # --iterations 0: each method's default run, about 10 minutes of the toy world on 2 CPU cores, so a
 # method that spends more forward passes per iteration (README, Results) runs fewer iterations.
-DEFAULT_ITERATIONS = {"flow_grpo": 64, "stepwise": 28, "tempflow": 48, "g2rpo": 40, "chunk": 64}
+DEFAULT_ITERATIONS = {"flow_grpo": 64, "stepwise": 24, "tempflow": 40, "g2rpo": 32, "chunk": 56}
 
 
 def branch_points(ctx: Context, allowed: torch.Tensor) -> list[int]:
