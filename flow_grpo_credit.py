@@ -1687,7 +1687,8 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
         if chunk_sizes:
             record({"iteration": 0, "chunk_sizes": chunk_sizes})
         run_eval(0)
-    bar = tqdm(range(start_it, args.iterations + 1), desc=args.method, dynamic_ncols=True, disable=not writer)
+    quiet = not writer or os.environ.get("TQDM_DISABLE", "") not in ("", "0")  # tqdm's own switch, which an explicit disable= overrides
+    bar = tqdm(range(start_it, args.iterations + 1), desc=args.method, dynamic_ncols=True, disable=quiet)
     for it in bar:
         start = time.time()
         metas = iteration_prompts(args, train_pool, it)
