@@ -280,6 +280,20 @@ def test_bad_input_is_a_one_line_error_with_status_2(argv, needle, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_weight_average_is_the_exponential_moving_average_and_restores_the_live_weights():
+    p = torch.nn.Parameter(torch.zeros(3))
+    average = fgc.WeightAverage([p], decay=0.9)
+    with torch.no_grad():
+        p.fill_(1.0)
+    for _ in range(5):
+        average.update()
+    expected = 1 - 0.9**5  # the shadow started at 0 and moved 10% of the way to 1 five times
+    torch.testing.assert_close(average.shadow[0], torch.full((3,), expected))
+    with average.applied():
+        torch.testing.assert_close(p.detach(), torch.full((3,), expected))
+    torch.testing.assert_close(p.detach(), torch.ones(3))  # the live weights are back for training
+
+
 def test_every_method_has_a_default_run_length():
     """--iterations 0 (the default) picks the method's ~10-minute run length; a method without one would
     fail only when a user runs it."""
@@ -371,9 +385,9 @@ def test_saved_lora_loads_into_a_fresh_unet_with_diffusers(tiny_cache, tmp_path)
     assert (run / "lora" / "pytorch_lora_weights.safetensors").exists()
     assert (run / "reward_curve.png").exists() and (run / "samples_0002.png").exists()
     trained = fgc.load_toy(args, torch.device("cpu"))
-    fgc.add_lora(trained, args)
-    from peft.utils import set_peft_model_state_dict
-    set_peft_model_state_dict(trained.net, torch.load(run / "checkpoint.pt", weights_only=False)["lora"])
+    with torch.no_grad():  # what is saved is the moving average of the adapter weights, as Flow-GRPO saves its EMA
+        for p, avg in zip(fgc.add_lora(trained, args), torch.load(run / "checkpoint.pt", weights_only=False)["ema"]):
+            p.copy_(avg)
     fresh = fgc.load_toy(args, torch.device("cpu"))
     fresh.net.load_lora_adapter(str(run / "lora"), prefix="unet", weight_name="pytorch_lora_weights.safetensors")
     base = fgc.load_toy(args, torch.device("cpu"))
