@@ -2059,6 +2059,9 @@ def main(argv=None) -> int:
     except RunError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()  # under torchrun: a clean exit (gloo may abort without it)
     return 0
 
 
