@@ -1647,17 +1647,18 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
         (run / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
     params = add_lora(policy, args)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    average = WeightAverage(params, args.ema)  # what is evaluated and saved
     grid = policy.time_grid(args.steps)
     meter, history, wall, start_it, bad_in_row = Meter(), [], 0.0, 1, 0
     if resume:
         loading = time.time()
         state = load_checkpoint(run, policy, opt)
         meter, history, wall, start_it = Meter(**state["meter"]), state["history"], state["wall"], state["iteration"] + 1
-        average.shadow = [t.to(policy.device) for t in state["ema"]]
         if writer:
             print(f"resumed at iteration {state['iteration']}: checkpoint.pt ({(run / 'checkpoint.pt').stat().st_size / 1e6:.1f} MB) "
                   f"loaded in {time.time() - loading:.2f} s")
+    average = WeightAverage(params, args.ema)  # what is evaluated and saved
+    if resume and "ema" in state:  # (checkpoints of older versions hold none: the average restarts there)
+        average.shadow = [t.to(policy.device) for t in state["ema"]]
     chunk_sizes = chunk_sizes_of(policy, args, grid)
     if chunk_sizes and writer:
         print(f"chunk sizes over the trained steps: {chunk_sizes}")
