@@ -575,7 +575,7 @@ def pretrain_toy(args: Args, device) -> ToyPolicy:
     params = list(unet.parameters()) + list(text_encoder.parameters())
     opt = torch.optim.AdamW(params, lr=args.pretrain_lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 50))
-    ema = [p.detach().clone() for p in params]
+    average = WeightAverage(params, decay=0.99)
     rng, gen = random.Random(0), torch.Generator().manual_seed(0)
     for _ in tqdm(range(args.pretrain_steps), desc="pretraining toy model", leave=False):
         metas = train_prompts(args.pretrain_batch, rng)
@@ -592,12 +592,8 @@ def pretrain_toy(args: Args, device) -> ToyPolicy:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
-        with torch.no_grad():
-            for e, p in zip(ema, params):
-                e.lerp_(p, 1 - 0.99)
-    with torch.no_grad():
-        for e, p in zip(ema, params):
-            p.copy_(e)
+        average.update()
+    average.copy_to_model()
     return ToyPolicy(unet.eval(), text_encoder.eval(), tokenizer, args.guidance)
 
 
@@ -1470,8 +1466,8 @@ def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Gene
 # 9 Train loop
 
 class WeightAverage:
-    """Exponential moving average of the trainable weights, updated once per iteration. Flow-GRPO
-    evaluates and checkpoints this average (METHODS §1.6-1.7: decay 0.9), which smooths out the
+    """Exponential moving average of trainable weights (GRPO: updated once per iteration; the toy
+    pretraining: every step, decay 0.99). Flow-GRPO evaluates and checkpoints this average (METHODS §1.6-1.7: decay 0.9), which smooths out the
     iteration-to-iteration noise of small-batch policy gradients. `with average.applied():` puts the
     average into the model and restores the live weights afterwards."""
 
@@ -1484,18 +1480,20 @@ class WeightAverage:
         for avg, p in zip(self.shadow, self.params):
             avg.lerp_(p, 1 - self.decay)
 
+    @torch.no_grad()
+    def copy_to_model(self, weights: list | None = None) -> None:
+        """Put `weights` (default: the average) into the model's parameters."""
+        for p, w in zip(self.params, self.shadow if weights is None else weights):
+            p.copy_(w)
+
     @contextlib.contextmanager
     def applied(self):
         live = [p.detach().clone() for p in self.params]
-        with torch.no_grad():
-            for p, avg in zip(self.params, self.shadow):
-                p.copy_(avg)
+        self.copy_to_model()
         try:
             yield
         finally:
-            with torch.no_grad():
-                for p, w in zip(self.params, live):
-                    p.copy_(w)
+            self.copy_to_model(live)
 
 
 def add_lora(policy, args: Args) -> list[torch.nn.Parameter]:
