@@ -252,6 +252,8 @@ class Args:
     """toy: pretraining batch size"""
     pretrain_lr: float = 2e-3
     """toy: pretraining learning rate"""
+    pretrain_detailed: float = 0.5
+    """toy: fraction of pretraining captions that name the colours a GenEval prompt leaves free (without them the base model ignores colour words, README)"""
 
     # reliability
     checkpoint_every: int = 10
@@ -296,28 +298,27 @@ VOCAB = ["[PAD]", "[UNK]", "a", "and", "of", *NUMBER_WORDS.values(), *COLORS, *C
 MAX_TOKENS = 8
 
 
-def make_prompt(tag: str, rng: random.Random) -> dict:
-    """One random prompt of a GenEval category, as GenEval metadata."""
+def make_prompt(tag: str, rng: random.Random, name_colours: bool = False) -> dict:
+    """One random prompt of a GenEval category, as GenEval metadata. `name_colours` also names the
+    colours where the category leaves them free (single object, two objects, position), as a
+    detailed caption would; pretraining captions do so at random (`--pretrain-detailed`)."""
     a, b = rng.sample(CLASSES, 2)
     ca, cb = rng.sample(list(COLORS), 2)
-    if tag == "single_object":
-        return {"tag": tag, "include": [{"class": a, "count": 1}], "prompt": f"a {a}"}
-    if tag == "two_object":
-        return {"tag": tag, "include": [{"class": a, "count": 1}, {"class": b, "count": 1}],
-                "prompt": f"a {a} and a {b}"}
+    coloured = name_colours or tag in ("colors", "color_attr")
+    obj_a, obj_b = ({"class": a, "count": 1, "color": ca}, {"class": b, "count": 1, "color": cb}) if coloured else \
+        ({"class": a, "count": 1}, {"class": b, "count": 1})
+    word_a, word_b = (f"{ca} {a}", f"{cb} {b}") if coloured else (a, b)
+    if tag in ("single_object", "colors"):
+        return {"tag": tag, "include": [obj_a], "prompt": f"a {word_a}"}
+    if tag in ("two_object", "color_attr"):
+        return {"tag": tag, "include": [obj_a, obj_b], "prompt": f"a {word_a} and a {word_b}"}
     if tag == "counting":
         n = rng.choice(list(NUMBER_WORDS))
         return {"tag": tag, "include": [{"class": a, "count": n}], "exclude": [{"class": a, "count": n + 1}],
                 "prompt": f"{NUMBER_WORDS[n]} {a}s"}
-    if tag == "colors":
-        return {"tag": tag, "include": [{"class": a, "count": 1, "color": ca}], "prompt": f"a {ca} {a}"}
     if tag == "position":  # "a A right of a B": B is include[0], A must stand right of it
         rel = rng.choice(RELATIONS)
-        return {"tag": tag, "include": [{"class": b, "count": 1}, {"class": a, "count": 1, "position": [rel, 0]}],
-                "prompt": f"a {a} {rel} a {b}"}
-    if tag == "color_attr":
-        return {"tag": tag, "include": [{"class": a, "count": 1, "color": ca}, {"class": b, "count": 1, "color": cb}],
-                "prompt": f"a {ca} {a} and a {cb} {b}"}
+        return {"tag": tag, "include": [obj_b, {**obj_a, "position": [rel, 0]}], "prompt": f"a {word_a} {rel} a {word_b}"}
     raise ValueError(f"unknown tag {tag!r}")
 
 
@@ -327,9 +328,10 @@ def eval_prompts(per_tag: int, seed: int = 1234) -> list[dict]:
     return [make_prompt(tag, rng) for tag in TAGS for _ in range(per_tag)]
 
 
-def train_prompts(n: int, rng: random.Random) -> list[dict]:
-    """Training prompts: categories uniformly, then a random prompt of the category."""
-    return [make_prompt(rng.choice(TAGS), rng) for _ in range(n)]
+def train_prompts(n: int, rng: random.Random, detailed: float = 0.0) -> list[dict]:
+    """Training prompts: categories uniformly, then a random prompt of the category; a `detailed`
+    fraction of them name every colour (`make_prompt`'s name_colours)."""
+    return [make_prompt(rng.choice(TAGS), rng, name_colours=detailed > 0 and rng.random() < detailed) for _ in range(n)]
 
 
 def relations(a: tuple, b: tuple) -> set:
@@ -560,13 +562,14 @@ class ToyPolicy:
 
 def toy_cache_dir(args: Args) -> Path:
     root = Path(args.cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flow_grpo_credit")
-    recipe = f"res{RES}-steps{args.pretrain_steps}-b{args.pretrain_batch}-lr{args.pretrain_lr}-v1"
+    recipe = f"res{RES}-steps{args.pretrain_steps}-b{args.pretrain_batch}-lr{args.pretrain_lr}-d{args.pretrain_detailed}-v2"
     return root / f"toy-{recipe}"
 
 
 def pretrain_toy(args: Args, device) -> ToyPolicy:
     """Rectified-flow pretraining on rendered shapes: loss |v_theta(x_t, t, c) - (x1 - x0)|^2 with
-    logit-normal t (as SD3), 10% empty captions so classifier-free guidance works, EMA 0.99 weights.
+    logit-normal t (as SD3), 10% empty captions so classifier-free guidance works, EMA 0.99 weights,
+    and detailed captions (`pretrain_detailed`) so the model learns what colour words mean.
     Seeded, so the same recipe gives the same weights; the result is cached on disk."""
     unet, text_encoder = build_toy_modules(seed=0)
     unet.to(device).train()
@@ -578,7 +581,7 @@ def pretrain_toy(args: Args, device) -> ToyPolicy:
     average = WeightAverage(params, decay=0.99)
     rng, gen = random.Random(0), torch.Generator().manual_seed(0)
     for _ in tqdm(range(args.pretrain_steps), desc="pretraining toy model", leave=False):
-        metas = train_prompts(args.pretrain_batch, rng)
+        metas = train_prompts(args.pretrain_batch, rng, args.pretrain_detailed)
         x0 = render_batch(metas, rng) * 2 - 1  # (B, 3, RES, RES) in [-1, 1]
         captions = [m["prompt"] if rng.random() > 0.1 else "" for m in metas]
         x1 = torch.randn(x0.shape, generator=gen)

@@ -24,11 +24,27 @@ HERE = Path(__file__).parent
 # toy world
 
 
-def test_scorer_is_exact_on_rendered_ground_truth():
+@pytest.mark.parametrize("name_colours", [False, True])
+def test_scorer_is_exact_on_rendered_ground_truth(name_colours):
     rng = random.Random(0)
-    metas = [fgc.make_prompt(tag, rng) for tag in fgc.TAGS for _ in range(100)]
+    metas = [fgc.make_prompt(tag, rng, name_colours) for tag in fgc.TAGS for _ in range(100)]
     verdict, dense = fgc.score_batch(fgc.render_batch(metas, rng), metas)
     assert verdict.min() == 1 and dense.min() == 1
+
+
+def test_detailed_captions_name_the_colours_they_draw():
+    """A detailed pretraining caption names the colour of every object whose colour it fixes; the
+    toy-GenEval prompts (name_colours=False) name colours only in the colour categories."""
+    rng = random.Random(2)
+    for tag in fgc.TAGS:
+        plain, detailed = fgc.make_prompt(tag, random.Random(3)), fgc.make_prompt(tag, random.Random(3), True)
+        for meta in (plain, detailed):
+            colours = [item["color"] for item in meta["include"] if "color" in item]
+            assert sorted(w for w in meta["prompt"].split() if w in fgc.COLORS) == sorted(colours)
+        assert ("color" in plain["include"][0]) == (tag in ("colors", "color_attr"))
+        assert ("color" in detailed["include"][0]) == (tag != "counting")
+    share = np.mean(["color" in m["include"][0] for m in fgc.train_prompts(2000, rng, detailed=0.5)])
+    assert abs(share - (2 / 6 + 0.5 * 3 / 6)) < 0.04  # colour tags always, 3 of the other 4 tags half the time
 
 
 def test_scorer_rejects_images_of_other_prompts():
