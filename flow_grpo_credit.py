@@ -194,7 +194,7 @@ class Args:
     """where the pretrained toy model is cached (default: $XDG_CACHE_HOME/flow_grpo_credit)"""
 
     # GRPO and optimisation (METHODS §0.4, §1.6)
-    lr: float = 2e-3
+    lr: float = 1e-3
     """AdamW learning rate of the LoRA parameters"""
     weight_decay: float = 1e-4
     """AdamW weight decay"""
