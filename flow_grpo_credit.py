@@ -1542,7 +1542,8 @@ def validate(args: Args) -> None:
               ("train-fraction", 0 < args.train_fraction <= 1, "in (0, 1]"), ("num-chunks", args.num_chunks >= 1, ">= 1"),
               ("lora-rank", args.lora_rank >= 0, ">= 0"),
               ("lora-alpha", args.lora_alpha >= 0, ">= 0"), ("resolution", args.resolution % 16 == 0 and args.resolution > 0, "a positive multiple of 16"), ("branch-steps", args.branch_steps >= 0, ">= 0"),
-              ("pretrain-steps", args.pretrain_steps >= 1, ">= 1"), ("ema", 0 <= args.ema < 1, "in [0, 1)"), ("max-grad-norm", args.max_grad_norm > 0, "> 0"),
+              ("pretrain-steps", args.pretrain_steps >= 1, ">= 1"), ("pretrain-detailed", 0 <= args.pretrain_detailed <= 1, "in [0, 1]"),
+              ("ema", 0 <= args.ema < 1, "in [0, 1)"), ("max-grad-norm", args.max_grad_norm > 0, "> 0"),
               ("checkpoint-every", args.checkpoint_every >= 1, ">= 1"), ("max-nonfinite", args.max_nonfinite >= 1, ">= 1"),
               ("benchmark", args.benchmark >= 0, ">= 0"), ("peak-tflops", args.peak_tflops >= 0, ">= 0")]
     for flag, ok, valid in checks:

@@ -282,6 +282,7 @@ def test_nfe_counts_every_forward_pass():
     (["--method", "chunk", "--chunks", "2,2"], "summing to the 9 trained steps"),
     (["--method", "g2rpo", "--granularities", "1,0"], "--granularities"),
     (["--sde", "euler"], "flow, ddim"),
+    (["--pretrain-detailed", "1.5"], "--pretrain-detailed must be in [0, 1]"),
     (["--device", "cuda"], "no CUDA"),
     (["--out", "/proc/forbidden"], "cannot create"),
 ])
