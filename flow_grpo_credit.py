@@ -1470,8 +1470,8 @@ def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Gene
 
 class WeightAverage:
     """Exponential moving average of trainable weights (GRPO: updated once per iteration; the toy
-    pretraining: every step, decay 0.99). Flow-GRPO evaluates and checkpoints this average (METHODS §1.6-1.7: decay 0.9), which smooths out the
-    iteration-to-iteration noise of small-batch policy gradients. `with average.applied():` puts the
+    pretraining: every step, decay 0.99). Flow-GRPO evaluates and checkpoints this average (METHODS
+    §1.6-1.7: decay 0.9), which smooths out the iteration-to-iteration noise of small-batch policy gradients. `with average.applied():` puts the
     average into the model and restores the live weights afterwards."""
 
     def __init__(self, params: list, decay: float):
