@@ -262,6 +262,8 @@ class Args:
     """stop after this many iterations in a row with non-finite rewards, advantages or loss"""
     compare_seeds: str = "0"
     """with --method all (or a list a,b): the seeds every method runs with, e.g. 0,1,2"""
+    jobs: int = 1
+    """with several runs: how many run at once, in processes sharing the CPU threads equally (each run's wall-clock then counts the sharing)"""
     benchmark: int = 0
     """time N iterations (after one that counts FLOPs) and print seconds per phase, images/s, peak memory and MFU; writes nothing"""
     peak_tflops: float = 0.0
@@ -1540,7 +1542,7 @@ def validate(args: Args) -> None:
               ("noise-level", args.noise_level > 0, "> 0"), ("ddim-eta", 0 < args.ddim_eta <= 1, "in (0, 1]"),
               ("chunk-fraction", 0 < args.chunk_fraction <= 1, "in (0, 1]"),
               ("train-fraction", 0 < args.train_fraction <= 1, "in (0, 1]"), ("num-chunks", args.num_chunks >= 1, ">= 1"),
-              ("lora-rank", args.lora_rank >= 0, ">= 0"),
+              ("lora-rank", args.lora_rank >= 0, ">= 0"), ("jobs", args.jobs >= 1, ">= 1"),
               ("lora-alpha", args.lora_alpha >= 0, ">= 0"), ("resolution", args.resolution % 16 == 0 and args.resolution > 0, "a positive multiple of 16"), ("branch-steps", args.branch_steps >= 0, ">= 0"),
               ("pretrain-steps", args.pretrain_steps >= 1, ">= 1"), ("pretrain-detailed", 0 <= args.pretrain_detailed <= 1, "in [0, 1]"),
               ("ema", 0 <= args.ema < 1, "in [0, 1)"), ("max-grad-norm", args.max_grad_norm > 0, "> 0"),
@@ -1930,18 +1932,40 @@ def benchmark(args: Args) -> dict:
     return result
 
 
-def compare(args: Args) -> Path:
+def compare(args: Args, folder: str | None = None) -> Path:
     """`--method all` (or a list such as flow_grpo,chunk, or several --compare-seeds): the methods with
-    the same seeds, settings and iterations; writes
+    the same seeds, settings and iterations, `--jobs` runs at a time; writes
     comparison.md (toy-GenEval at the end, at an equal wall-clock budget and at an equal nfe budget,
-    mean and spread over seeds) and comparison.png (held-out score against iteration, wall-clock, nfe)."""
+    mean and spread over seeds) and comparison.png (held-out score against iteration, wall-clock, nfe).
+    `--resume` of the comparison's folder continues every run from its last checkpoint (finished runs
+    are read back), so a long comparison that is stopped loses at most `--checkpoint-every` iterations."""
     seeds = parse_seeds(args.compare_seeds)
     methods = list(METHODS) if args.method == "all" else args.method.split(",")
     for m in methods:
         validate(dataclasses.replace(args, method=m))
-    folder = Path(args.out) / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
-    runs = {m: [[h for h in train(dataclasses.replace(args, method=m, seed=s, out=str(folder))) if "eval_overall" in h]
-                for s in seeds] for m in methods}
+    folder = Path(folder) if folder else Path(args.out) / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+    if args.model == "toy":
+        load_toy(args, torch.device("cpu"))  # pretrains the toy model once if it is not cached, not in every job
+    jobs = []  # (method, seed, args, the run folder to resume or None)
+    for m in methods:
+        for s in seeds:
+            started = sorted(r for r in folder.glob(f"{m}-seed{s}-*") if (r / "checkpoint.pt").exists())
+            jobs.append((m, s, dataclasses.replace(args, method=m, seed=s, out=str(folder)), str(started[-1]) if started else None))
+    threads = max(1, torch.get_num_threads() // args.jobs)
+    if args.jobs == 1:
+        histories = [train(a, r) for _, _, a, r in jobs]
+    else:
+        import concurrent.futures
+        import multiprocessing
+
+        print(f"{len(jobs)} runs, {args.jobs} at a time with {threads} thread(s) each; progress is in {folder}/*/metrics.jsonl")
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            histories = list(pool.map(train_in_process, [a for *_, a, _ in jobs], [r for *_, r in jobs], [threads] * len(jobs)))
+    runs = {m: [] for m in methods}
+    for (m, *_), history in zip(jobs, histories):
+        runs[m].append([h for h in history if "eval_overall" in h])
     last = [evals[-1] for per_seed in runs.values() for evals in per_seed]
     budgets = {"wall_s": min(e["wall_s"] for e in last), "nfe": min(e["nfe"] for e in last)}
 
@@ -1981,6 +2005,13 @@ def compare(args: Args) -> Path:
     plt.close(fig)
     print((folder / "comparison.md").read_text())
     return folder
+
+
+def train_in_process(args: Args, resume: str | None, threads: int) -> list[dict]:
+    """One run of a comparison in a worker process (`--jobs`), on its share of the CPU threads."""
+    torch.set_num_threads(threads)
+    os.environ["TQDM_DISABLE"] = "1"  # bars of parallel runs would overwrite each other
+    return train(args, resume)
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -2055,7 +2086,7 @@ def main(argv=None) -> int:
         if args.benchmark and not resume:
             benchmark(args)
         else:
-            compare(args) if several and not resume else train(args, resume)
+            compare(args, resume) if several else train(args, resume)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

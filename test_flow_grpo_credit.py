@@ -283,6 +283,7 @@ def test_nfe_counts_every_forward_pass():
     (["--method", "g2rpo", "--granularities", "1,0"], "--granularities"),
     (["--sde", "euler"], "flow, ddim"),
     (["--pretrain-detailed", "1.5"], "--pretrain-detailed must be in [0, 1]"),
+    (["--method", "all", "--jobs", "0"], "--jobs must be >= 1"),
     (["--device", "cuda"], "no CUDA"),
     (["--out", "/proc/forbidden"], "cannot create"),
 ])
@@ -737,6 +738,30 @@ def test_method_all_writes_a_table_scored_within_equal_budgets(tiny_cache, tmp_p
     within = [[x for x in e if x["nfe"] <= nfe_budget][-1]["eval_overall"] for e in stepwise_runs]
     row = next(line for line in table.splitlines() if line.startswith("| stepwise |"))
     assert row.split("|")[5].strip() == f"{np.mean(within):.3f} ± {np.std(within):.3f}"
+
+
+def test_parallel_comparison_repeats_each_run_exactly_and_resumes_to_more_iterations(tiny_cache, tmp_path):
+    args = tiny_args(tiny_cache, tmp_path / "runs", compare_seeds="0,1", iterations=2, eval_every=1, jobs=2)
+    folder = fgc.compare(args)  # two runs at once, in two processes
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads // 2))  # the worker's share: the thread count changes float sums
+    try:
+        alone = fgc.train(dataclasses.replace(args, seed=1, out=str(tmp_path / "alone")))
+    finally:
+        torch.set_num_threads(threads)
+    runs = sorted(run for run in folder.iterdir() if run.is_dir())
+
+    def records(run):
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    before = {run.name: records(run) for run in runs}
+    assert strip_time(before[runs[1].name]) == strip_time(alone) and runs[1].name.startswith("flow_grpo-seed1")
+    assert fgc.main(["--resume", str(folder), "--iterations", "3"]) == 0
+    assert sorted(run for run in folder.iterdir() if run.is_dir()) == runs  # continued in place, none restarted
+    for run in runs:
+        after = records(run)
+        assert after[: len(before[run.name])] == before[run.name] and after[-1]["iteration"] == 3
+    assert "3 iterations each" in (folder / "comparison.md").read_text()
 
 
 def test_train_fraction_and_branch_steps_subsample_what_is_trained(monkeypatch):
