@@ -1653,6 +1653,7 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     grid = policy.time_grid(args.steps)
     meter, history, wall, start_it, bad_in_row = Meter(), [], 0.0, 1, 0
+    chunk_sizes = chunk_sizes_of(policy, args, grid)  # before a checkpoint is loaded: the base model's profile
     if resume:
         loading = time.time()
         state = load_checkpoint(run, policy, opt)
@@ -1663,7 +1664,6 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
     average = WeightAverage(params, args.ema)  # what is evaluated and saved
     if resume and "ema" in state:  # (checkpoints of older versions hold none: the average restarts there)
         average.shadow = [t.to(policy.device) for t in state["ema"]]
-    chunk_sizes = chunk_sizes_of(policy, args, grid)
     if chunk_sizes and writer:
         print(f"chunk sizes over the trained steps: {chunk_sizes}")
     log = (run / "metrics.jsonl").open("w") if writer else None
@@ -1952,7 +1952,8 @@ def compare(args: Args, folder: str | None = None) -> Path:
     for m in methods:
         for s in seeds:
             started = sorted(r for r in folder.glob(f"{m}-seed{s}-*") if (r / "checkpoint.pt").exists())
-            jobs.append((m, s, dataclasses.replace(args, method=m, seed=s, out=str(folder)), str(started[-1]) if started else None))
+            one_run = dataclasses.replace(args, method=m, seed=s, compare_seeds=str(s), jobs=1, out=str(folder))  # its args.json: one run
+            jobs.append((m, s, one_run, str(started[-1]) if started else None))
     threads = max(1, torch.get_num_threads() // args.jobs)
     if args.jobs == 1:
         histories = [train(a, r) for _, _, a, r in jobs]

@@ -375,6 +375,22 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_cache, tmp_pat
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_chunk_boundaries_come_from_the_base_model_also_when_a_run_resumes(tiny_cache, tmp_path, monkeypatch):
+    adapter_is_zero, real = [], fgc.auto_chunk_sizes
+
+    def spy(policy, *rest):  # LoRA starts with B = 0: a zero adapter is the base model
+        adapter_is_zero.append(all(not p.any() for n, p in policy.net.named_parameters() if "lora_B" in n))
+        return real(policy, *rest)
+
+    monkeypatch.setattr(fgc, "auto_chunk_sizes", spy)
+    first = fgc.train(tiny_args(tiny_cache, tmp_path, method="chunk", num_chunks=2, iterations=2, lr=1e-2))
+    run = next(tmp_path.iterdir())
+    args, resume = fgc.parse_args(["--resume", str(run), "--iterations", "3"])
+    fgc.train(args, resume)
+    assert adapter_is_zero == [True, True]  # the resumed run's trained adapter did not move the boundaries
+    assert first[0]["chunk_sizes"] == json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["chunk_sizes"]
+
+
 def test_non_finite_rewards_skip_updates_and_then_stop(tiny_cache, tmp_path, monkeypatch):
     real = fgc.toy_reward
     calls = {"n": 0}
@@ -762,6 +778,8 @@ def test_parallel_comparison_repeats_each_run_exactly_and_resumes_to_more_iterat
         after = records(run)
         assert after[: len(before[run.name])] == before[run.name] and after[-1]["iteration"] == 3
     assert "3 iterations each" in (folder / "comparison.md").read_text()
+    assert fgc.main(["--resume", str(runs[0]), "--iterations", "4"]) == 0  # one run of it resumes alone
+    assert [records(run)[-1]["iteration"] for run in runs] == [4, 3] and not any(p.is_dir() for p in runs[0].iterdir() if p.name != "lora")
 
 
 def test_train_fraction_and_branch_steps_subsample_what_is_trained(monkeypatch):
