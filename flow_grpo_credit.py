@@ -1948,25 +1948,25 @@ def compare(args: Args, folder: str | None = None) -> Path:
     (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
     if args.model == "toy":
         load_toy(args, torch.device("cpu"))  # pretrains the toy model once if it is not cached, not in every job
-    jobs = []  # (method, seed, args, the run folder to resume or None)
+    one_runs, resumes = [], []  # each run's args (its args.json then says: one run) and its folder to resume, or None
     for m in methods:
         for s in seeds:
             started = sorted(r for r in folder.glob(f"{m}-seed{s}-*") if (r / "checkpoint.pt").exists())
-            one_run = dataclasses.replace(args, method=m, seed=s, compare_seeds=str(s), jobs=1, out=str(folder))  # its args.json: one run
-            jobs.append((m, s, one_run, str(started[-1]) if started else None))
+            one_runs.append(dataclasses.replace(args, method=m, seed=s, compare_seeds=str(s), jobs=1, out=str(folder)))
+            resumes.append(str(started[-1]) if started else None)
     threads = max(1, torch.get_num_threads() // args.jobs)
     if args.jobs == 1:
-        histories = [train(a, r) for _, _, a, r in jobs]
+        histories = [train(a, r) for a, r in zip(one_runs, resumes)]
     else:
         import concurrent.futures
         import multiprocessing
 
-        print(f"{len(jobs)} runs, {args.jobs} at a time with {threads} thread(s) each; progress is in {folder}/*/metrics.jsonl")
+        print(f"{len(one_runs)} runs, {args.jobs} at a time with {threads} thread(s) each; progress is in {folder}/*/metrics.jsonl")
         with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            histories = list(pool.map(train_in_process, [a for *_, a, _ in jobs], [r for *_, r in jobs], [threads] * len(jobs)))
+            histories = list(pool.map(train_in_process, one_runs, resumes, [threads] * len(one_runs)))
     runs = {m: [] for m in methods}
-    for (m, *_), history in zip(jobs, histories):
-        runs[m].append([h for h in history if "eval_overall" in h])
+    for a, history in zip(one_runs, histories):
+        runs[a.method].append([h for h in history if "eval_overall" in h])
     last = [evals[-1] for per_seed in runs.values() for evals in per_seed]
     budgets = {"wall_s": min(e["wall_s"] for e in last), "nfe": min(e["nfe"] for e in last)}
 
