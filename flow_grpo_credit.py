@@ -1473,8 +1473,9 @@ def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Gene
 class WeightAverage:
     """Exponential moving average of trainable weights (GRPO: updated once per iteration; the toy
     pretraining: every step, decay 0.99). Flow-GRPO evaluates and checkpoints this average (METHODS
-    §1.6-1.7: decay 0.9), which smooths out the iteration-to-iteration noise of small-batch policy gradients. `with average.applied():` puts the
-    average into the model and restores the live weights afterwards."""
+    §1.6-1.7: decay 0.9), which smooths out the iteration-to-iteration noise of small-batch policy
+    gradients. `with average.applied():` puts the average into the model and restores the live
+    weights afterwards."""
 
     def __init__(self, params: list, decay: float):
         self.params, self.decay = params, decay
@@ -1946,8 +1947,6 @@ def compare(args: Args, folder: str | None = None) -> Path:
     folder = Path(folder) if folder else Path(args.out) / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-    if args.model == "toy":
-        load_toy(args, torch.device("cpu"))  # pretrains the toy model once if it is not cached, not in every job
     one_runs, resumes = [], []  # each run's args (its args.json then says: one run) and its folder to resume, or None
     for m in methods:
         for s in seeds:
@@ -1961,6 +1960,8 @@ def compare(args: Args, folder: str | None = None) -> Path:
         import concurrent.futures
         import multiprocessing
 
+        if args.model == "toy" and not (toy_cache_dir(args) / "done").exists():
+            load_toy(args, torch.device("cpu"))  # pretrain once here, not in every worker at the same time
         print(f"{len(one_runs)} runs, {args.jobs} at a time with {threads} thread(s) each; progress is in {folder}/*/metrics.jsonl")
         with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             histories = list(pool.map(train_in_process, one_runs, resumes, [threads] * len(one_runs)))
