@@ -1001,6 +1001,7 @@ class Trajectory:
     log_probs: torch.Tensor  # (B, S): log pi_old of each transition (0 for ODE steps)
     stds: torch.Tensor  # (B, S): transition std (0 for ODE steps)
     stochastic: torch.Tensor  # (S,) bool
+    velocities: torch.Tensor  # (B, S, C, H, W): v at states[:, k], kept for Stepwise's free Tweedie step
 
 
 @torch.no_grad()
@@ -1013,11 +1014,12 @@ def rollout(policy, cond: dict, x: torch.Tensor, times: torch.Tensor, stochastic
     b = x.shape[0]
     times = (times if times.dim() == 2 else times.expand(b, -1)).to(x.device)
     stochastic = torch.as_tensor(stochastic, dtype=torch.bool)
-    states, log_probs, stds = [x], [], []
+    states, log_probs, stds, velocities = [x], [], [], []
     for k in range(times.shape[1] - 1):
         t, t_next = times[:, k], times[:, k + 1]
         v = policy.velocity(x, t, cond)
         meter.forward(policy, b)
+        velocities.append(v)
         if stochastic[k]:
             x, log_prob, _, std = sde_step(x, v, t, t_next, kind=args.sde,
                                            noise_level=args.sde_level,
@@ -1027,7 +1029,8 @@ def rollout(policy, cond: dict, x: torch.Tensor, times: torch.Tensor, stochastic
         states.append(x)
         log_probs.append(log_prob)
         stds.append(std)
-    return Trajectory(torch.stack(states, 1), times, torch.stack(log_probs, 1), torch.stack(stds, 1), stochastic)
+    return Trajectory(torch.stack(states, 1), times, torch.stack(log_probs, 1), torch.stack(stds, 1), stochastic,
+                      torch.stack(velocities, 1))
 
 
 def initial_noise(policy, n: int, gen: torch.Generator) -> torch.Tensor:
@@ -1203,13 +1206,24 @@ def stepwise(ctx: Context):
     b, g, s, n = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1, ctx.args.tweedie_substeps
     prompt = repeat(torch.arange(b), g)  # (B*G,)
     traj = ctx.rollout(prompt, repeat(ctx.shared_noise(b), g), ctx.grid, [True] * s)
-    t = traj.times[:, :-1].reshape(-1)  # (B*G*S,) times of the intermediate states
-    frac = torch.linspace(1, 0, n + 1, device=t.device)  # sub-grid t_k -> 0 in n equal steps
-    x0_hat = ctx.rollout(repeat(prompt, s), traj.states[:, :-1].flatten(0, 1), t[:, None] * frac, [False] * n)
-    finals = torch.cat([x0_hat.states[:, -1].view(b * g, s, *traj.states.shape[2:]), traj.states[:, -1:]], 1)
-    r = ctx.reward(finals.flatten(0, 1), repeat(prompt, s + 1)).view(b * g, s + 1)  # (B*G, S+1)
+    x, v, t = traj.states[:, 1:-1].flatten(0, 1), traj.velocities[:, 1:].flatten(0, 1), traj.times[:, 1:-1].flatten()
+    later = tweedie_x0(ctx, repeat(prompt, s - 1), x, v, t, n).view(b * g, s - 1, *x.shape[1:])
+    scored = torch.cat([later, traj.states[:, -1:]], 1)  # (B*G, S, C, H, W): x0_hat of k = 1..S-1, final image
+    r = ctx.reward(scored.flatten(0, 1), repeat(prompt, s)).view(b * g, s)
+    # k = 0 is the group's shared noise, so its estimate (and reward) is a group constant: once per group
+    start = tweedie_x0(ctx, torch.arange(b), traj.states[::g, 0], traj.velocities[::g, 0], traj.times[::g, 0], n)
+    r = torch.cat([repeat(ctx.reward(start, torch.arange(b)), g)[:, None], r], 1)  # (B*G, S+1)
     adv = gain_advantages(ctx, r, prompt)  # (B*G, S)
     return transitions_from(traj, prompt, adv, ctx.trainable()), r[:, -1]
+
+
+def tweedie_x0(ctx: Context, prompt, x, v, t, n: int) -> torch.Tensor:
+    """x0_hat of states x (N, C, H, W) at times t (N,) by n Euler steps of the ODE to t = 0 on an equal
+    sub-grid (METHODS §4.2). The first step uses the velocity v that sampling already computed at x,
+    so plain Tweedie (n = 1: x - t v) costs no forward pass, and n sub-steps cost n - 1."""
+    times = t[:, None] * torch.linspace(1, 0, n + 1, device=t.device)  # (N, n+1)
+    x = ode_step(x, v, times[:, 0], times[:, 1])
+    return x if n == 1 else ctx.rollout(prompt, x, times[:, 1:], [False] * (n - 1)).states[:, -1]
 
 
 def gain_advantages(ctx: Context, r: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
@@ -1305,7 +1319,7 @@ def chunk(ctx: Context):
 METHODS = {"flow_grpo": flow_grpo, "stepwise": stepwise, "tempflow": tempflow, "g2rpo": g2rpo, "chunk": chunk}
 # --iterations 0: each method's default run, about 10 minutes of the toy world on 2 CPU cores, so a
 # method that spends more forward passes per iteration (README, Results) runs fewer iterations.
-DEFAULT_ITERATIONS = {"flow_grpo": 64, "stepwise": 24, "tempflow": 40, "g2rpo": 32, "chunk": 56}
+DEFAULT_ITERATIONS = {"flow_grpo": 64, "stepwise": 32, "tempflow": 40, "g2rpo": 32, "chunk": 56}
 
 
 def branch_points(ctx: Context, allowed: torch.Tensor) -> list[int]:

@@ -186,6 +186,27 @@ def test_stepwise_shares_noise_within_a_group_and_trains_each_step():
     assert sorted(torch.unique(tr.step).tolist()) == list(range(5))  # steps 0..S-2
 
 
+def test_stepwise_tweedie_estimate_is_the_ode_from_the_state_with_its_first_step_free():
+    """x0_hat(x_k) by n sub-steps equals an n-step ODE rollout from x_k that computes every velocity,
+    while costing n - 1 passes per state (the first velocity is the sampler's); the group's shared start
+    is refined once per group. A stepwise iteration costs B*G*S + (n-1)*(B*G*(S-1) + B) passes."""
+    ctx = ctx_for({"method": "stepwise"})
+    b, g, s, n = 2, 4, 6, ctx.args.tweedie_substeps
+    prompt = fgc.repeat(torch.arange(b), g)
+    traj = ctx.rollout(prompt, ctx.noise(b * g), ctx.grid, [True] * s)
+    x, v, t = traj.states[:, 2], traj.velocities[:, 2], traj.times[:, 2]
+    before = ctx.meter.nfe
+    x0_hat = fgc.tweedie_x0(ctx, prompt, x, v, t, n)
+    assert ctx.meter.nfe - before == (n - 1) * b * g
+    full = ctx.rollout(prompt, x, t[:, None] * torch.linspace(1, 0, n + 1), [False] * n).states[:, -1]
+    torch.testing.assert_close(x0_hat, full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fgc.tweedie_x0(ctx, prompt, x, v, t, 1), x - t[:, None, None, None] * v)
+    ctx = ctx_for({"method": "stepwise"})
+    fgc.stepwise(ctx)
+    assert ctx.meter.nfe == b * g * s + (n - 1) * (b * g * (s - 1) + b)
+    assert ctx.meter.reward_calls == b * g * s + b
+
+
 def test_tempflow_weights_average_one_and_advantages_are_zero_mean_per_seed_and_step():
     ctx = ctx_for({"method": "tempflow", "branch_steps": 0})
     tr, _ = fgc.tempflow(ctx)
