@@ -229,7 +229,7 @@ class Args:
 
     # method-specific
     tweedie_substeps: int = 5
-    """stepwise: ODE sub-steps from each state to t=0 for its intermediate reward (1 = plain Tweedie)"""
+    """stepwise: ODE sub-steps from each state to t=0 for its intermediate reward; the first reuses the sampler's velocity (1 = plain Tweedie, no extra pass)"""
     seeds: int = 2
     """tempflow: initial noises per prompt; each seed and bifurcation step holds group_size branches"""
     branch_steps: int = 3
