@@ -1812,10 +1812,10 @@ def benchmark(args: Args) -> dict:
         ctx = timed("encode", iteration_context, args, s, it, Meter())
         ctx.reward_fn = lambda images, metas, score=ctx.reward_fn: timed("reward", score, images, metas)
         transitions, _ = timed("sample", METHODS[args.method], ctx)
-        timed("train", update, s.policy, s.opt, ctx.cond, transitions, args, ctx.gen)
+        trained = timed("train", update, s.policy, s.opt, ctx.cond, transitions, args, ctx.gen).get("trained", 0)
         for unit in ("_s", "_flops"):  # the reward ran inside the sampling phase
             spent["sample" + unit] -= spent["reward" + unit]
-        return spent | {"passes": ctx.meter.nfe, "images": ctx.meter.reward_calls, "transitions": len(transitions)}
+        return spent | {"passes": ctx.meter.nfe, "images": ctx.meter.reward_calls, "transitions": trained}
 
     if args.low_memory:  # counted without checkpointing, one transition at a time to stay within memory
         s.policy.net.disable_gradient_checkpointing()
@@ -1824,7 +1824,7 @@ def benchmark(args: Args) -> dict:
     if args.low_memory:
         s.policy.net.enable_gradient_checkpointing()
     per = {"pass": counted["sample_flops"] / counted["passes"], "image": counted["reward_flops"] / counted["images"],
-           "transition": counted["train_flops"] / counted["transitions"]}
+           "transition": counted["train_flops"] / max(1, counted["transitions"])}  # trained transitions only
     if cuda:
         torch.cuda.reset_peak_memory_stats(dist.device)
     runs = [iteration(it, args) for it in tqdm(range(1, args.benchmark + 1), desc="benchmark")]
