@@ -1458,6 +1458,25 @@ def test_method_all_writes_a_table_scored_within_equal_budgets(tiny_cache, tmp_p
     assert row["passes per iteration"] == f"{np.mean([e[-1]['nfe'] / e[-1]['iteration'] for e in stepwise]):.0f}"
 
 
+def test_sweep_compares_values_of_one_flag_with_a_row_each(tiny_cache, tmp_path):
+    """--sweep beta=0,0.5 runs every value with the same seed and settings, each under its own folder, and
+    writes a row per value; the KL term is 0 without beta and positive with it. A flag that is not numeric
+    is a one-line error."""
+    args = tiny_args(tiny_cache, tmp_path, iterations=2, eval_every=1, sweep="beta=0,0.5", lr=1e-2)
+    folder = fgc.compare(args)
+    rows = table_rows((folder / "comparison.md").read_text())
+    assert set(rows) == {"beta=0", "beta=0.5"} and list(rows["beta=0"])[0] == "beta"
+    kl = {}
+    for label in rows:
+        (run,) = (folder / label).iterdir()
+        lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert json.loads((run / "args.json").read_text())["beta"] == float(label.split("=")[1])
+        kl[label] = max(h.get("kl", 0.0) for h in lines)
+    assert kl["beta=0"] == 0 and kl["beta=0.5"] > 0
+    with pytest.raises(fgc.UsageError, match="--sweep must name a numeric flag"):
+        fgc.compare(dataclasses.replace(args, sweep="sde=flow,ddim"))
+
+
 def test_parallel_comparison_repeats_each_run_exactly_and_resumes_to_more_iterations(tiny_cache, tmp_path):
     args = tiny_args(tiny_cache, tmp_path / "runs", compare_seeds="0,1", iterations=2, eval_every=1, jobs=2)
     folder = fgc.compare(args)  # two runs at once, in two processes
