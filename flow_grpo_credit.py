@@ -1178,7 +1178,7 @@ def chunk(ctx: Context):
     chunk_id = torch.arange(b * g)[:, None] * len(sizes) + of_step.clamp_max(len(sizes) - 1)  # (B*G, S)
     return transitions_from(traj, prompt, adv, keep, chunk=chunk_id), r
 
-METHODS = {"flow_grpo": flow_grpo, "stepwise": stepwise, "tempflow": tempflow, "g2rpo": g2rpo, "chunk": chunk}
+CREDIT_ASSIGNMENT = {"flow_grpo": flow_grpo, "stepwise": stepwise, "tempflow": tempflow, "g2rpo": g2rpo, "chunk": chunk}
 # --iterations 0: each method's default run, about 10 minutes of the toy world on 2 CPU cores, so a
 # method that spends more forward passes per iteration runs fewer iterations.
 DEFAULT_ITERATIONS = {"flow_grpo": 64, "stepwise": 32, "tempflow": 40, "g2rpo": 32, "chunk": 56}
@@ -1380,8 +1380,8 @@ RULES = {  # what a valid value of each flag is, and how to tell
 
 def validate(args: Args) -> None:
     """Every bad input becomes one UsageError naming the flag and what is valid, before any file is written."""
-    if args.method not in METHODS:
-        raise UsageError(f"unknown --method {args.method!r}; choose one of {', '.join(METHODS)} (or all)")
+    if args.method not in CREDIT_ASSIGNMENT:
+        raise UsageError(f"unknown --method {args.method!r}; choose one of {', '.join(CREDIT_ASSIGNMENT)} (or all)")
     if args.sde not in SDE_LEVELS:
         raise UsageError(f"unknown --sde {args.sde!r}; choose one of {', '.join(SDE_LEVELS)}")
     for valid, (names, ok) in RULES.items():
@@ -1511,7 +1511,7 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
     for it in (bar := tqdm(range(start_it, args.iterations + 1), desc=args.method, dynamic_ncols=True, disable=quiet)):
         start = time.time()
         ctx = iteration_context(args, s, it, meter, dist)
-        transitions, rewards = METHODS[args.method](ctx)
+        transitions, rewards = CREDIT_ASSIGNMENT[args.method](ctx)
         finite = bool(dist.reduce(torch.isfinite(rewards).all() & torch.isfinite(transitions.advantage).all(), "min"))
         stats = update(s.policy, s.opt, ctx.cond, transitions, args, ctx.gen, dist) if finite else {"skipped": 1.0}
         if not stats.get("skipped"):  # training (+ reference) passes actually run
@@ -1684,7 +1684,7 @@ def variants(args: Args) -> dict[str, dict]:
     """The runs of a comparison by label, as changes to `args`: one per method, or one per --sweep value."""
     name, _, values = args.sweep.partition("=")
     if not name:
-        return {m: {"method": m} for m in (METHODS if args.method == "all" else args.method.split(","))}
+        return {m: {"method": m} for m in (CREDIT_ASSIGNMENT if args.method == "all" else args.method.split(","))}
     kind = type(getattr(args, name, None))
     try:
         if kind not in (int, float) or not values:
@@ -1811,7 +1811,7 @@ def benchmark(args: Args) -> dict:
         spent.clear()
         ctx = timed("encode", iteration_context, args, s, it, Meter())
         ctx.reward_fn = lambda images, metas, score=ctx.reward_fn: timed("reward", score, images, metas)
-        transitions, _ = timed("sample", METHODS[args.method], ctx)
+        transitions, _ = timed("sample", CREDIT_ASSIGNMENT[args.method], ctx)
         trained = timed("train", update, s.policy, s.opt, ctx.cond, transitions, args, ctx.gen).get("trained", 0)
         for unit in ("_s", "_flops"):  # the reward ran inside the sampling phase
             spent["sample" + unit] -= spent["reward" + unit]

@@ -278,7 +278,7 @@ def test_euler_with_true_velocity_lands_on_data_and_zero_noise_sde_is_ode():
 
 
 def test_flow_sde_std_matches_the_sd35_reference_table():
-    """METHODS Appendix B.1: transition stds of Flow-GRPO's SDE on the SD3.5 10-step grid (a = 0.7), and of
+    """Transition stds of Flow-GRPO's SDE on the SD3.5 10-step grid (a = 0.7), and of
     the ddim SDE at its default eta (--noise-level 0: 1.0)."""
     grid = fgc.time_grid(10, shift=3.0)
     stds = fgc.step_stds(grid, fgc.Args(sde="flow", noise_level=0.7))
@@ -347,7 +347,7 @@ def test_group_advantages_are_standardised_and_zero_variance_groups_are_zero():
 
 
 def test_stepwise_advantages_telescope_to_the_normalised_final_reward():
-    """METHODS Appendix C.6: with shared initial noise (r[:, 0] equal in a group), each trajectory's
+    """Stepwise's telescoping gains: with shared initial noise (r[:, 0] equal in a group), each trajectory's
     jointly normalised gains sum to (r_final - group mean) / sigma_glob."""
     ctx = ctx_for({"method": "stepwise"})
     g, s = 4, 6
@@ -460,7 +460,7 @@ def test_first_inner_step_is_on_policy_for_every_method(method, sde):
     quarter of the transitions is trained, to keep the test short."""
     ctx = ctx_for({"method": method, "beta": 0.01, "branch_steps": 2, "sde": sde, "inner_updates": 2,
                    "train_fraction": 0.25})
-    tr, rewards = fgc.METHODS[method](ctx)
+    tr, rewards = fgc.CREDIT_ASSIGNMENT[method](ctx)
     assert len(tr) > 0 and torch.isfinite(tr.advantage).all() and torch.isfinite(rewards).all()
     assert all(getattr(tr, f).device.type == "cpu" and getattr(tr, f).dtype == torch.long
                for f in ("prompt", "chunk", "step"))
@@ -543,7 +543,7 @@ def test_micro_batches_keep_chunks_whole_and_add_up_to_the_minibatch_gradient(me
     minibatch (KL term included); a chunk is never split across micro-batches, and a piece is larger
     than the size only when it is a single chunk."""
     ctx = ctx_for({**method_args, "beta": 0.05}, b=1)
-    tr, _ = fgc.METHODS[ctx.args.method](ctx)
+    tr, _ = fgc.CREDIT_ASSIGNMENT[ctx.args.method](ctx)
     chunk_sizes = torch.unique(tr.chunk, return_counts=True)[1]
     assert (chunk_sizes.max() > 1) == bool(method_args)
     for size in (1, 2, 3, 7, 0):
@@ -786,7 +786,7 @@ def test_moving_average_warms_up_as_flow_grpo_and_ema_applied_restores_the_live_
 def test_every_method_has_a_default_run_length():
     """--iterations 0 (the default) picks the method's ~10-minute run length; a method without one would
     fail only when a user runs it."""
-    assert fgc.Args().iterations == 0 and fgc.DEFAULT_ITERATIONS.keys() == fgc.METHODS.keys()
+    assert fgc.Args().iterations == 0 and fgc.DEFAULT_ITERATIONS.keys() == fgc.CREDIT_ASSIGNMENT.keys()
     assert all(n >= 1 for n in fgc.DEFAULT_ITERATIONS.values())
 
 
@@ -854,7 +854,7 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_cache, tmp_pat
     metrics, adapter and moving average of the run that was never stopped."""
     full = fgc.train(tiny_args(tiny_cache, tmp_path / "full", iterations=4))
     calls = {"n": 0}
-    real = fgc.METHODS["flow_grpo"]
+    real = fgc.CREDIT_ASSIGNMENT["flow_grpo"]
 
     def dies_in_iteration_3(ctx):
         calls["n"] += 1
@@ -862,10 +862,10 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_cache, tmp_pat
             raise KeyboardInterrupt
         return real(ctx)
 
-    monkeypatch.setitem(fgc.METHODS, "flow_grpo", dies_in_iteration_3)
+    monkeypatch.setitem(fgc.CREDIT_ASSIGNMENT, "flow_grpo", dies_in_iteration_3)
     with pytest.raises(KeyboardInterrupt):
         fgc.train(tiny_args(tiny_cache, tmp_path / "killed", iterations=4))
-    monkeypatch.setitem(fgc.METHODS, "flow_grpo", real)
+    monkeypatch.setitem(fgc.CREDIT_ASSIGNMENT, "flow_grpo", real)
     run = next((tmp_path / "killed").iterdir())
     assert torch.load(run / "checkpoint.pt", weights_only=True)["iteration"] == 2
     args, resume = fgc.parse_args(["--resume", str(run)])
