@@ -530,7 +530,8 @@ class ToyPolicy(Policy):
         return {"encoder_hidden_states": self.text_encoder(ids).last_hidden_state}  # (B, L, 64)
 
     def negative(self, n: int) -> dict:
-        return {k: e.expand(n, *e.shape[1:]) for k, e in self.encode([""]).items()}
+        self.empty = getattr(self, "empty", None) or self.encode([""])  # the empty prompt, encoded once
+        return {k: e.expand(n, *e.shape[1:]) for k, e in self.empty.items()}
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return self.denoiser(x, t * 1000, **cond).sample

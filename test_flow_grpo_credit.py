@@ -1,6 +1,7 @@
 """Tests that check meaning: equations, invariants of each method, exactness of the scorer, and a
 measured improvement of a short real run. Run with `python -m pytest -q`."""
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -268,7 +269,7 @@ def test_euler_with_true_velocity_lands_on_data_and_zero_noise_sde_is_ode():
     x0, x1 = torch.randn(2, 3, 8, 8), torch.randn(2, 3, 8, 8)
     grid = fgc.time_grid(7, shift=3.0)
     x = x1
-    for t, t_next in zip(grid[:-1], grid[1:]):
+    for t, t_next in itertools.pairwise(grid):
         x = fgc.ode_step(x, x1 - x0, t, t_next)
     torch.testing.assert_close(x, x0)
     v = torch.randn_like(x0)
@@ -476,6 +477,22 @@ def test_first_inner_step_is_on_policy_for_every_method(method, sde):
     assert abs(stats["ratio_first"] - 1) < 1e-5 and stats["clipfrac_first"] == 0
     assert stats["kl"] > 0, "the adapter is non-zero, so the reference differs"
     assert stats["trained"] == max(1, round(int((tr.advantage != 0).sum()) * 0.25)), "one transition a chunk"
+
+
+def test_toy_cfg_is_the_guided_combination_of_two_passes():
+    """With --guidance w, v = v_uncond + w (v_cond - v_uncond), the unconditional branch from the empty
+    prompt and without gradient, and a denoising step costs two forward passes."""
+    base = random_policy()
+    policy = fgc.ToyPolicy(base.net, base.text_encoder, base.tokenizer, guidance=3.0)
+    x, t = torch.randn(2, 3, fgc.RES, fgc.RES), torch.tensor([0.8, 0.3])
+    cond = policy.encode(["a red circle", "two squares"])
+    with torch.no_grad():
+        v_cond = policy.forward(x, t, cond)
+        v_uncond = policy.forward(x, t, {k: e.expand(2, -1, -1) for k, e in policy.encode([""]).items()})
+    v = policy.velocity(x, t, cond)
+    torch.testing.assert_close(v, v_uncond + 3.0 * (v_cond - v_uncond))
+    assert policy.passes == 2 and base.passes == 1
+    assert policy.velocity(x, t, cond).requires_grad, "the conditional branch keeps its gradient"
 
 
 def test_nfe_counts_every_forward_pass():
@@ -745,7 +762,8 @@ def test_bad_input_is_a_one_line_error_with_status_2(argv, needle, tmp_path):
     if argv[0] == "--device" and torch.cuda.is_available():
         pytest.skip("CUDA is present")
     out = ["--out", str(tmp_path / "runs")] if "--out" not in argv else []
-    proc = subprocess.run([sys.executable, SCRIPT, *argv, *out], capture_output=True, text=True, cwd=tmp_path)
+    proc = subprocess.run([sys.executable, SCRIPT, *argv, *out], check=False, capture_output=True, text=True,
+                          cwd=tmp_path)
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr
     assert not (tmp_path / "runs").exists()
@@ -812,8 +830,8 @@ def tiny_cache(tmp_path_factory):
 
 
 def tiny_args(cache, out, **kw):
-    base = dict(iterations=3, prompts_per_iter=2, group_size=2, steps=4, eval_steps=2, eval_per_tag=1,
-                eval_every=2, pretrain_steps=30, cache_dir=cache, out=str(out), checkpoint_every=1)
+    base = {"iterations": 3, "prompts_per_iter": 2, "group_size": 2, "steps": 4, "eval_steps": 2, "eval_per_tag": 1,
+            "eval_every": 2, "pretrain_steps": 30, "cache_dir": cache, "out": str(out), "checkpoint_every": 1}
     return fgc.Args(**{**base, **kw})
 
 
@@ -930,7 +948,7 @@ def test_non_finite_rewards_skip_updates_and_then_stop(tiny_cache, tmp_path, mon
 def test_a_run_counts_groups_with_equal_rewards_and_trains_only_the_others(tiny_run):
     """End to end: when the first prompt's group gets equal rewards in every iteration, zero_std_frac is
     1/2 and only the other group's transitions are trained (and counted in nfe)."""
-    args, run, history = tiny_run
+    args, _, history = tiny_run
     assert args.prompts_per_iter == 2 and args.group_size == 2 and args.steps == 4
     steps = [h for h in history if "reward_mean" in h]
     assert len(steps) == 2
@@ -1016,7 +1034,7 @@ torch.save({{"trained": [p.detach() for p in params], "init": init}}, {str(tmp_p
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
                str(script)]
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    proc = subprocess.run(command, check=False, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert len(a["trained"]) == len(b["trained"]) > 0
@@ -1049,8 +1067,8 @@ torch.distributed.destroy_process_group()  # gloo aborts at exit without it, now
 """)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29534",
                str(script)]
-    proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          cwd=tmp_path, timeout=300)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(command, check=False, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = [torch.load(tmp_path / f"adv{rank}.pt") for rank in (0, 1)]
     r = torch.cat([torch.arange(8.0) ** 2, torch.arange(8.0) ** 2 + 5])
@@ -1086,7 +1104,7 @@ def counted_flops(fn, *a) -> int:
 def test_benchmark_counts_flops_per_forward_pass_consistently_with_nfe(toy_benchmark):
     """--benchmark counts FLOPs for a whole iteration and divides by the nfe it counted: that must be
     the FLOPs of one single-image forward pass of the same adapted model, measured on its own."""
-    args, result, policy = toy_benchmark
+    _, result, policy = toy_benchmark
     cond = policy.encode(["a red circle"])
     with torch.no_grad():
         one_pass = counted_flops(policy.velocity, torch.randn(1, 3, fgc.RES, fgc.RES), torch.tensor([0.5]), cond)
@@ -1189,8 +1207,8 @@ def tiny_real(tmp_path_factory):
         scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15),
         text_encoder=CLIPTextModel(tiny_text_config()), tokenizer=clip_tokenizer(),
         text_encoder_2=t5_model, tokenizer_2=t5_tok).save_pretrained(root / "flux")
-    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, image_size=32,
-                  patch_size=8, projection_dim=32)
+    vision = {"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "image_size": 32, "patch_size": 8, "projection_dim": 32}
     CLIPModel(CLIPConfig(text_config=tiny_text_config().to_dict(), vision_config=vision,
                          projection_dim=32)).save_pretrained(root / "clip")
     processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
@@ -1202,10 +1220,10 @@ def tiny_real(tmp_path_factory):
 
 
 def real_args(root, out, model="sd3", **kw):
-    base = dict(model=str(root / model), reward="pickscore", reward_model=str(root / "clip"),
-                prompts=str(root / "prompts.txt"), resolution=32, iterations=1, prompts_per_iter=2, group_size=2,
-                steps=4, eval_steps=2, eval_every=1, out=str(out), guidance=0.0, branch_steps=1, tweedie_substeps=1,
-                chunks="1,2")
+    base = {"model": str(root / model), "reward": "pickscore", "reward_model": str(root / "clip"),
+            "prompts": str(root / "prompts.txt"), "resolution": 32, "iterations": 1, "prompts_per_iter": 2,
+            "group_size": 2, "steps": 4, "eval_steps": 2, "eval_every": 1, "out": str(out), "guidance": 0.0,
+            "branch_steps": 1, "tweedie_substeps": 1, "chunks": "1,2"}
     return fgc.Args(**{**base, **kw})
 
 
@@ -1296,7 +1314,7 @@ def test_a_resolution_the_model_cannot_hold_is_a_one_line_usage_error(tiny_real,
             big.forward(too_big, torch.tensor([0.5]), cond)
     flags = ["--model", args.model, "--reward", "pickscore", "--reward-model", args.reward_model, "--prompts",
              args.prompts, "--resolution", "30", "--iterations", "1", "--out", args.out]
-    proc = subprocess.run([sys.executable, SCRIPT, *flags], capture_output=True, text=True, cwd=tmp_path)
+    proc = subprocess.run([sys.executable, SCRIPT, *flags], check=False, capture_output=True, text=True, cwd=tmp_path)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and errors == proc.stderr.strip().splitlines()[-1:], proc.stderr
     assert errors[0].startswith("error: --resolution 30: this model needs a multiple of 4")
@@ -1367,16 +1385,16 @@ def test_bad_real_inputs_are_one_line_errors(tiny_real, tmp_path):
                              down_block_types=("DownBlock2D",) * 2, up_block_types=("UpBlock2D",) * 2),
                  DDPMScheduler()).save_pretrained(tmp_path / "ddpm")
     CLIPTextModel(tiny_text_config()).save_pretrained(tmp_path / "text_only")
-    cases = [(dict(model=str(tmp_path / "missing")), "no such folder"),
-             (dict(model=str(tmp_path / "ddpm")), "is a DDPMPipeline"),
-             (dict(reward="pickscore:heavy"), "weights must be numbers"),
-             (dict(reward="aesthetic"), "unknown reward 'aesthetic'"),
-             (dict(reward_model=str(tmp_path / "text_only")), "needs a CLIP model"),
-             (dict(reward="toy"), "--reward toy scores the built-in toy prompts"),
-             (dict(reward="toy-strict"), "--reward toy scores the built-in toy prompts"),
-             (dict(prompts=str(tmp_path / "none.txt")), "--prompts"),
-             (dict(resolution=30), "--resolution 30: this model needs a multiple of 4"),
-             (dict(dtype="fp8"), "--dtype must be")]
+    cases = [({"model": str(tmp_path / "missing")}, "no such folder"),
+             ({"model": str(tmp_path / "ddpm")}, "is a DDPMPipeline"),
+             ({"reward": "pickscore:heavy"}, "weights must be numbers"),
+             ({"reward": "aesthetic"}, "unknown reward 'aesthetic'"),
+             ({"reward_model": str(tmp_path / "text_only")}, "needs a CLIP model"),
+             ({"reward": "toy"}, "--reward toy scores the built-in toy prompts"),
+             ({"reward": "toy-strict"}, "--reward toy scores the built-in toy prompts"),
+             ({"prompts": str(tmp_path / "none.txt")}, "--prompts"),
+             ({"resolution": 30}, "--resolution 30: this model needs a multiple of 4"),
+             ({"dtype": "fp8"}, "--dtype must be")]
     for overrides, needle in cases:
         with pytest.raises(fgc.UsageError, match=re.escape(needle)) as err:
             fgc.train(real_args(tiny_real, tmp_path / "runs", **overrides))
@@ -1465,7 +1483,7 @@ def test_sweep_compares_values_of_one_flag_with_a_row_each(tiny_cache, tmp_path)
     args = tiny_args(tiny_cache, tmp_path, iterations=2, eval_every=1, sweep="beta=0,0.5", lr=1e-2)
     folder = fgc.compare(args)
     rows = table_rows((folder / "comparison.md").read_text())
-    assert set(rows) == {"beta=0", "beta=0.5"} and list(rows["beta=0"])[0] == "beta"
+    assert set(rows) == {"beta=0", "beta=0.5"} and next(iter(rows["beta=0"])) == "beta"
     kl = {}
     for label in rows:
         (run,) = (folder / label).iterdir()
