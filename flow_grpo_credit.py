@@ -9,12 +9,6 @@ Five ways to credit the denoising steps of a flow model trained with GRPO, each 
     g2rpo      G2RPO               arXiv 2510.01982  one SDE step from a shared anchor, multi-granularity
     chunk      Chunk-GRPO          arXiv 2510.21583  one importance ratio per chunk of steps
 
-Contents
-    0 Conventions and helpers     4 Rewards                      8 GRPO loss and update (shared)
-    1 Args                        5 SDE step and log-prob        9 Train loop and checkpoints
-    2 Toy world                   6 Rollout (shared)             10 Eval, comparison, benchmark
-    3 Models (toy, SD3, FLUX.1)   7 Credit assignment            11 CLI
-
 Conventions
     * t = 1 is noise, t = 0 is data: x_t = (1 - t) x0 + t x1; the model predicts v = x1 - x0, so the
       Tweedie estimate is x0_hat = x_t - t v and the predicted noise x1_hat = x_t + (1 - t) v.
@@ -64,6 +58,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import textwrap
 import time
@@ -104,8 +99,8 @@ def mean_over_dims(x: torch.Tensor) -> torch.Tensor:
     return x.flatten(1).mean(1)
 
 def segment_mean(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Means of `values` (N,) per id of `ids` (N,) -> ((K,) in sorted id order, inverse (N,) on the values'
-    device), so that means[inverse] is each value's segment mean. The ids are unique'd on the CPU."""
+    """Means of `values` (N,) per id in `ids` (N,) -> (means (K,) in sorted id order, inverse (N,)),
+    so that means[inverse] is each value's segment mean."""
     uniq, inverse = torch.unique(ids.cpu(), return_inverse=True)
     inverse = inverse.to(values.device)
     return values.new_zeros(len(uniq)).scatter_reduce(0, inverse, values, "mean", include_self=False), inverse
@@ -116,8 +111,7 @@ DIST_TIMEOUT = datetime.timedelta(hours=2)
 
 @dataclass
 class Dist:
-    """Where this process stands under torchrun (rank 0 of 1 without it). Collectives run on `device`, so
-    callers hand it plain numbers and CPU tensors (the device rule: module docstring, Conventions)."""
+    """Where this process stands under torchrun (rank 0 of 1 without it); collectives run on `device`."""
 
     rank: int = 0
     world: int = 1
@@ -139,7 +133,7 @@ class Dist:
         return Dist(torch.distributed.get_rank(), world, device)
 
     def reduce(self, value, op: str = "sum") -> torch.Tensor:
-        """A number summed (or its min / max) over ranks, as a float64 tensor on this Dist's device."""
+        """A number summed (or min, max) over ranks, as a float64 tensor on this Dist's device."""
         x = torch.as_tensor(value, dtype=torch.float64).to(self.device)
         if self.world > 1:
             torch.distributed.all_reduce(x, getattr(torch.distributed.ReduceOp, op.upper()))
@@ -174,126 +168,72 @@ SDE_LEVELS = {"flow": 1.0, "ddim": 1.0, "cps": 0.8}  # each SDE and its default 
 
 @dataclass
 class Args:
-    """Every tunable number of a run. Each field's docstring is its --help text."""
+    """Every tunable number of a run. The comment after each field is its --help text."""
 
-    method: str = "flow_grpo"
-    """flow_grpo, stepwise, tempflow, g2rpo, chunk; all, or a list a,b, compares them"""
-    model: str = "toy"
-    """'toy' (the embedded shapes world), or a diffusers folder / hub id of SD3, SD3.5 or FLUX.1"""
-    reward: str = "auto"
-    """toy-strict, toy, pickscore, clip or a sum like pickscore:0.7,clip:0.3 (auto: toy-strict or pickscore)"""
-    reward_model: str = ""
-    """CLIP model of pickscore/clip, a path or hub id (default: the standard ones); name=path,... for a sum"""
-    extra_penalty: float = 0.5
-    """toy-strict: reward lost per object drawn beyond those the prompt asks for"""
-    prompts: str = ""
-    """a text file, one prompt a line; every 10th line is held out for evaluation (default: the toy prompts)"""
-    resolution: int = 512
-    """image size of a real model (the toy world is 16 px)"""
-    dtype: str = "auto"
-    """fp32 or bf16 weights of a real model (auto: bf16 on CUDA, fp32 on the CPU); the SDE math stays fp32"""
-    low_memory: bool = False
-    """real models, the 24 GB recipe: gradient checkpointing, text encoders on the CPU between encodings"""
-    micro_batch: int = 0
-    """samples per forward (+ backward) pass in training, evaluation and decoding (0: all; VAE: 8)"""
-    iterations: int = 0
-    """GRPO iterations (sample, score, update); 0: the method's default, about 10 minutes of the toy world"""
-    prompts_per_iter: int = 8
-    """prompts sampled per iteration"""
-    group_size: int = 8
-    """images (or branches) that share one advantage normalisation"""
-    steps: int = 10
-    """sampling steps during training (Flow-GRPO's denoising reduction: fewer than eval)"""
-    eval_steps: int = 20
-    """ODE steps of the deterministic evaluation"""
-    eval_every: int = 16
-    """evaluate every N iterations (and at the start and end)"""
-    eval_per_tag: int = 64
-    """held-out evaluation prompts per GenEval category"""
-    out: str = "runs"
-    """folder that receives one sub-folder per run"""
-    seed: int = 0
-    """seed of the whole run (prompts, noise, LoRA init)"""
-    device: str = "auto"
-    """auto, cpu or cuda"""
-    cache_dir: str = ""
-    """where the pretrained toy model is cached (default: $XDG_CACHE_HOME/flow_grpo_credit)"""
+    method: str = "flow_grpo"  # flow_grpo, stepwise, tempflow, g2rpo, chunk; all, or a list a,b, compares them
+    model: str = "toy"  # 'toy' (the embedded shapes world), or a diffusers folder / hub id of SD3, SD3.5, FLUX.1
+    reward: str = "auto"  # toy-strict, toy, pickscore, clip or a sum clip:0.3,pickscore:1 (auto: toy-strict/pickscore)
+    reward_model: str = ""  # CLIP model of pickscore/clip, a path or hub id; name=path,... for a sum
+    extra_penalty: float = 0.5  # toy-strict: reward lost per object beyond those the prompt asks for
+    prompts: str = ""  # a text file, one prompt a line, every 10th held out (default: the toy prompts)
+    resolution: int = 512  # image size of a real model (the toy world is 16 px)
+    dtype: str = "auto"  # fp32 or bf16 weights of a real model (auto: bf16 on CUDA); the SDE math stays fp32
+    low_memory: bool = False  # real models, the 24 GB recipe: gradient checkpointing, text encoders on the CPU
+    micro_batch: int = 0  # samples per forward (+ backward) pass in training, evaluation, decoding (0: all)
+    iterations: int = 0  # GRPO iterations (sample, score, update); 0: the method's default (~10 toy minutes)
+    prompts_per_iter: int = 8  # prompts sampled per iteration
+    group_size: int = 8  # images (or branches) that share one advantage normalisation
+    steps: int = 10  # sampling steps during training (Flow-GRPO's denoising reduction: fewer than eval)
+    eval_steps: int = 20  # ODE steps of the deterministic evaluation
+    eval_every: int = 16  # evaluate every N iterations (and at the start and end)
+    eval_per_tag: int = 64  # held-out evaluation prompts per GenEval category
+    out: str = "runs"  # folder that receives one sub-folder per run
+    seed: int = 0  # seed of the whole run (prompts, noise, LoRA init)
+    device: str = "auto"  # auto, cpu or cuda
+    cache_dir: str = ""  # where the pretrained toy model is cached (default: $XDG_CACHE_HOME/flow_grpo_credit)
 
     # GRPO and optimisation (Deviation 4)
-    lr: float = 1e-3
-    """AdamW learning rate of the LoRA parameters"""
-    weight_decay: float = 1e-4
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """global gradient-norm clip"""
-    ema: float = 0.9
-    """decay of the moving average of the adapter (one update an iteration) that is evaluated and saved; 0: off"""
-    inner_updates: int = 8
-    """optimizer steps per iteration (the samples are split into this many minibatches)"""
-    train_fraction: float = 1.0
-    """fraction of the sampled transitions (chunks) trained on, drawn at random (DanceGRPO's timestep fraction)"""
-    clip_range: float = 1e-3
-    """PPO clip epsilon; small because the log-prob is a mean over dimensions"""
-    adv_clip: float = 5.0
-    """advantages are clamped to [-adv_clip, adv_clip]"""
-    beta: float = 0.0
-    """weight of the per-step Gaussian KL to the reference (LoRA disabled); 0 skips the reference pass"""
-    guidance: float = 0.0
-    """guidance scale: real CFG on toy and SD3 (1 = no negative branch), distilled on FLUX (0: 1, 4.5, 3.5)"""
-    lora_rank: int = 0
-    """LoRA rank (0: toy 16, real models 32 as Flow-GRPO)"""
-    lora_alpha: float = 0.0
-    """LoRA alpha, scale = alpha / rank (0: toy 16, real models 64 as Flow-GRPO)"""
+    lr: float = 1e-3  # AdamW learning rate of the LoRA parameters
+    weight_decay: float = 1e-4  # AdamW weight decay
+    max_grad_norm: float = 1.0  # global gradient-norm clip
+    ema: float = 0.9  # decay of the adapter's moving average (one update an iteration), evaluated and saved; 0: off
+    inner_updates: int = 8  # optimizer steps per iteration (the samples are split into this many minibatches)
+    train_fraction: float = 1.0  # fraction of the transitions (chunks) trained on, drawn at random (DanceGRPO)
+    clip_range: float = 1e-3  # PPO clip epsilon; small because the log-prob is a mean over dimensions
+    adv_clip: float = 5.0  # advantages are clamped to [-adv_clip, adv_clip]
+    beta: float = 0.0  # weight of the per-step Gaussian KL to the reference (LoRA disabled); 0: no reference pass
+    guidance: float = 0.0  # CFG scale on toy and SD3 (1: no negative branch), distilled on FLUX (0: 1, 4.5, 3.5)
+    lora_rank: int = 0  # LoRA rank (0: toy 16, real models 32 as Flow-GRPO)
+    lora_alpha: float = 0.0  # LoRA alpha, scale = alpha / rank (0: toy 16, real models 64 as Flow-GRPO)
 
     # SDE (section 5)
-    sde: str = "flow"
-    """SDE of the stochastic steps: flow (Flow-GRPO), ddim (Stepwise's DDIM-inspired), cps (Flow-GRPO's CPS)"""
-    noise_level: float = 0.0
-    """a of the flow SDE, eta of ddim and cps (0: the SDE's default, flow 1.0, ddim 1.0, cps 0.8)"""
+    sde: str = "flow"  # SDE of the stochastic steps: flow (Flow-GRPO), ddim (Stepwise), cps (Flow-GRPO's CPS)
+    noise_level: float = 0.0  # a of the flow SDE, eta of ddim and cps (0: the SDE's default, 1.0, 1.0, 0.8)
 
     # method-specific
-    tweedie_substeps: int = 5
-    """stepwise: ODE sub-steps from each state to t=0 for its reward (1 = plain Tweedie, no extra pass)"""
-    seeds: int = 2
-    """tempflow: initial noises per prompt; each seed and bifurcation step holds group_size branches"""
-    branch_steps: int = 3
-    """tempflow/g2rpo: branch points used per iteration, drawn at random (0 = all of the method's)"""
-    granularities: str = "1,2,3"
-    """g2rpo: continuation granularities Lambda (every lambda-th grid node after the SDE step)"""
-    chunks: str = "auto"
-    """chunk: chunk sizes over the trained steps, e.g. 2,3,4 (auto = from the relative-L1 profile)"""
-    num_chunks: int = 4
-    """chunk: number of chunks found by the automatic (auto) segmentation"""
-    weighted_chunks: bool = False
-    """chunk: draw trained chunks with probability proportional to their mean relative L1"""
-    chunk_fraction: float = 1.0
-    """chunk: fraction of chunks trained per trajectory"""
+    tweedie_substeps: int = 5  # stepwise: ODE sub-steps from each state to t=0 for its reward (1: plain Tweedie)
+    seeds: int = 2  # tempflow: initial noises per prompt; each seed and branch point holds group_size branches
+    branch_steps: int = 3  # tempflow/g2rpo: branch points used per iteration, drawn at random (0: all)
+    granularities: str = "1,2,3"  # g2rpo: continuation granularities Lambda (every lambda-th node after the SDE step)
+    chunks: str = "auto"  # chunk: chunk sizes over the trained steps, e.g. 2,3,4 (auto: from the relative-L1 profile)
+    num_chunks: int = 4  # chunk: number of chunks of the automatic segmentation
+    weighted_chunks: bool = False  # chunk: draw trained chunks with probability proportional to their relative L1
+    chunk_fraction: float = 1.0  # chunk: fraction of chunks trained per trajectory
 
-    # toy world pretraining
-    pretrain_steps: int = 560
-    """toy: pretraining steps of the base model (cached afterwards)"""
-    pretrain_batch: int = 64
-    """toy: pretraining batch size"""
-    pretrain_lr: float = 2e-3
-    """toy: pretraining learning rate"""
-    pretrain_detailed: float = 0.5
-    """toy: fraction of pretraining captions that name every colour, so the base model learns colour words"""
+    # toy world pretraining (cached afterwards)
+    pretrain_steps: int = 560  # toy: pretraining steps of the base model
+    pretrain_batch: int = 64  # toy: pretraining batch size
+    pretrain_lr: float = 2e-3  # toy: pretraining learning rate
+    pretrain_detailed: float = 0.5  # toy: fraction of pretraining captions that name every colour
 
     # reliability, comparisons, benchmarks
-    checkpoint_every: int = 10
-    """write checkpoint.pt every N iterations (and at the end); --resume RUN_DIR continues from it"""
-    max_nonfinite: int = 3
-    """stop after this many iterations in a row with non-finite rewards, advantages or loss"""
-    compare_seeds: str = "0"
-    """with --method all (or a list a,b): the seeds every method runs with, e.g. 0,1,2"""
-    sweep: str = ""
-    """compare values of one numeric flag instead of methods, e.g. beta=0,0.02,0.2"""
-    jobs: int = 1
-    """with several runs: how many run at once, in processes that share the CPU threads equally"""
-    benchmark: int = 0
-    """time N iterations (after one that counts FLOPs) and print seconds per phase, memory and MFU"""
-    peak_tflops: float = 0.0
-    """bf16 peak of the accelerator for --benchmark's MFU (0: known for H100, H200, A100)"""
+    checkpoint_every: int = 10  # write checkpoint.pt every N iterations (and at the end); --resume RUN_DIR continues
+    max_nonfinite: int = 3  # stop after this many iterations in a row with non-finite rewards, advantages or loss
+    compare_seeds: str = "0"  # with --method all (or a list a,b): the seeds every method runs with, e.g. 0,1,2
+    sweep: str = ""  # compare values of one numeric flag instead of methods, e.g. beta=0,0.02,0.2
+    jobs: int = 1  # with several runs: how many run at once, in processes that share the CPU threads
+    benchmark: int = 0  # time N iterations (after one that counts FLOPs): seconds per phase, memory and MFU
+    peak_tflops: float = 0.0  # bf16 peak of the accelerator for --benchmark's MFU (0: known for H100, H200, A100)
 
     @property
     def sde_level(self) -> float:
@@ -462,10 +402,8 @@ def render_batch(metas: list[dict], rng: random.Random) -> torch.Tensor:
 # 3 Models: the toy text-to-image flow, and SD3 / SD3.5 / FLUX.1 through diffusers
 
 class Policy:
-    """What the methods sample and train through. A subclass sets `net` (the denoiser that carries the
-    LoRA adapter), `denoiser` (what a forward pass calls: `net`, or its DDP wrapper under torchrun) and
-    `cfg` (real CFG scale, 1 = none), and gives forward, negative (the CFG branch's condition), encode,
-    decode, latent_shape, time_grid and save_lora."""
+    """What the methods sample and train through. A subclass sets `net` (the denoiser that carries the LoRA
+    adapter), `denoiser` (`net`, or its DDP wrapper under torchrun) and `cfg` (real CFG scale, 1 = none)."""
 
     @property
     def device(self):
@@ -497,7 +435,7 @@ def build_tokenizer(length: int = MAX_TOKENS):
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]", model_max_length=length)
 
 def build_toy_modules(seed: int):
-    """Fresh (untrained) toy UNet and text encoder; 1.7M + 0.1M parameters."""
+    """Fresh toy UNet and CLIP text encoder; 1.7M + 0.1M parameters."""
     from diffusers import UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
     torch.manual_seed(seed)
@@ -512,7 +450,7 @@ def build_toy_modules(seed: int):
     return unet, text_encoder
 
 class ToyPolicy(Policy):
-    """A tiny diffusers UNet in pixel space (the 'latents' are pixels in [-1, 1]) with a tiny CLIP text encoder."""
+    """A tiny diffusers UNet in pixel space ('latents' are pixels in [-1, 1]) and a tiny CLIP text encoder."""
 
     lora_defaults = (16, 16.0)  # (rank, alpha)
     lora_targets = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2",
@@ -543,8 +481,8 @@ class ToyPolicy(Policy):
         return ((x.float() + 1) / 2).clamp(0, 1)  # (N, 3, RES, RES) in [0, 1]
 
     def save_lora(self, folder: Path) -> None:
-        """diffusers' LoRA format, which `unet.load_lora_adapter` reads. The keys stay in peft's format:
-        diffusers' conversion renames only the attention layers, a mix its own loader rejects."""
+        """diffusers' LoRA format, which `unet.load_lora_adapter` reads (keys in peft's format: diffusers'
+        conversion renames only the attention layers, a mix its own loader rejects)."""
         from diffusers.loaders import StableDiffusionLoraLoaderMixin  # the pipeline's saver, no pipeline import
         StableDiffusionLoraLoaderMixin.save_lora_weights(folder, unet_lora_layers=lora_layers(self.net))
 
@@ -554,8 +492,8 @@ def toy_cache_dir(args: Args) -> Path:
     return Path(args.cache_dir or default) / f"toy-res{RES}-{recipe}-v3"
 
 def pretrain_toy(args: Args, device) -> ToyPolicy:
-    """Rectified-flow pretraining on rendered shapes: |v_theta(x_t, t, c) - (x1 - x0)|^2 with logit-normal
-    t (as SD3), 10% empty captions for CFG, an EMA (0.99) of the weights, and detailed captions. Seeded."""
+    """Rectified-flow pretraining on rendered shapes: |v(x_t, t, c) - (x1 - x0)|^2, logit-normal t (as SD3),
+    10% empty captions for CFG, an EMA (0.99) of the weights. Seeded."""
     from diffusers.training_utils import EMAModel
     unet, text_encoder = build_toy_modules(seed=0)
     unet.to(device).train()
@@ -603,9 +541,8 @@ def load_toy(args: Args, device) -> ToyPolicy:
                      PreTrainedTokenizerFast.from_pretrained(folder / "tokenizer"), args.guidance)
 
 class PipelinePolicy(Policy):
-    """SD3 / SD3.5 (real CFG with a negative branch) or FLUX.1 (guidance-distilled: the scale is an
-    input of the transformer, one forward pass a step). Latents are the VAE's (FLUX: 2x2 patches packed
-    into tokens), the time grid is the pipeline scheduler's."""
+    """SD3 / SD3.5 (real CFG) or FLUX.1 (guidance-distilled: the scale is an input, one pass a step) with
+    the VAE's latents (FLUX: 2x2 patches packed into tokens) and the pipeline scheduler's time grid."""
 
     lora_defaults = (32, 64.0)  # Flow-GRPO's r and alpha on SD3.5
     lora_targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
@@ -632,7 +569,7 @@ class PipelinePolicy(Policy):
         return (n, (h // 2) ** 2, c) if self.flux else (n, c, h, h)
 
     def time_grid(self, steps: int) -> torch.Tensor:
-        """(steps + 1,) sigmas as the pipeline sets them: SD3's static shift, FLUX's resolution-dependent one."""
+        """(steps + 1,) sigmas as the pipeline sets them (SD3's static shift, FLUX's dynamic one)."""
         import copy
 
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
@@ -647,8 +584,7 @@ class PipelinePolicy(Policy):
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> dict:
-        """The prompts' embeddings on the device; each prompt is encoded once and cached on the CPU (with
-        --low-memory the text encoders visit the device only for this)."""
+        """The prompts' embeddings on the device, each prompt encoded once and cached on the CPU."""
         new = [p for p in dict.fromkeys(prompts) if p not in self.cache]
         if new:
             for enc in self.encoders:
@@ -681,7 +617,7 @@ class PipelinePolicy(Policy):
 
     @torch.no_grad()
     def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """Latents -> images (N, 3, H, W) in [0, 1], `micro_batch` (or 8) latents at a time through the VAE."""
+        """Latents -> images (N, 3, H, W) in [0, 1], `micro_batch` (or 8) latents at a time."""
         vae = self.pipe.vae
         if self.flux:
             x = self.pipe._unpack_latents(x, self.size, self.size, self.pipe.vae_scale_factor)
@@ -690,11 +626,11 @@ class PipelinePolicy(Policy):
         return torch.cat(images).add(1).div(2).clamp(0, 1)
 
     def save_lora(self, folder: Path) -> None:
-        """`pytorch_lora_weights.safetensors` in diffusers' format, which `pipe.load_lora_weights` reads."""
+        """`pytorch_lora_weights.safetensors`, which `pipe.load_lora_weights` reads."""
         type(self.pipe).save_lora_weights(folder, transformer_lora_layers=lora_layers(self.net))
 
 def check_resolution(policy: PipelinePolicy, resolution: int) -> None:
-    """--resolution must split into whole patches (VAE scale x patch size) within SD3's position embedding."""
+    """--resolution must split into whole patches within SD3's position embedding."""
     cfg = policy.net.config
     step = policy.pipe.vae_scale_factor * (2 if policy.flux else cfg.patch_size)
     limit = None if policy.flux else cfg.pos_embed_max_size
@@ -703,7 +639,7 @@ def check_resolution(policy: PipelinePolicy, resolution: int) -> None:
         raise UsageError(f"--resolution {resolution}: this model needs a multiple of {step}{largest}")
 
 def lora_layers(net) -> dict:
-    """The adapter's weights with alpha/r folded into lora_B, so loaders that assume alpha = r reproduce it."""
+    """The adapter's weights with alpha/r folded into lora_B, for loaders that assume alpha = r."""
     from peft.utils import get_peft_model_state_dict
     scale = net.peft_config["default"].lora_alpha / net.peft_config["default"].r
     return {k: v * scale if "lora_B" in k else v for k, v in get_peft_model_state_dict(net).items()}
@@ -716,7 +652,7 @@ def load_policy(args: Args, device) -> Policy:
     return load_toy(args, device) if args.model == "toy" else load_pipeline(args, device)
 
 def load_pipeline(args: Args, device) -> PipelinePolicy:
-    """A diffusers SD3 / SD3.5 / FLUX.1 pipeline from a folder or hub id (offline caches work)."""
+    """A diffusers SD3 / SD3.5 / FLUX.1 pipeline from a folder or hub id."""
     import diffusers
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     try:
@@ -743,15 +679,14 @@ def toy_reward(images: torch.Tensor, metas: list[dict]) -> torch.Tensor:
     return score_batch(images, metas)["dense"]
 
 def toy_strict_reward(images: torch.Tensor, metas: list[dict], penalty: float) -> torch.Tensor:
-    """The default toy reward (Deviation 1): r = dense - penalty * extra, extra = objects beyond those the
-    prompt asks for, so that drawing more shapes than asked never pays."""
+    """The default toy reward (Deviation 1): r = dense - penalty * extra, with extra the objects beyond
+    those the prompt asks for, so that drawing more shapes than asked never pays."""
     scores = score_batch(images, metas)
     return scores["dense"] - penalty * scores["extra"]
 
 class ClipReward:
-    """A CLIP-family reward from decoded image tensors, batched on the device:
-    pickscore: exp(logit_scale) cos(E_img, E_txt) / 26 (Kirstain et al. 2023; / 26 as Flow-GRPO);
-    clip:      CLIPScore = 2.5 max(cos(E_img, E_txt), 0) (Hessel et al. 2021)."""
+    """pickscore: exp(logit_scale) cos(E_img, E_txt) / 26 (Kirstain et al. 2023; / 26 as Flow-GRPO);
+    clip: CLIPScore = 2.5 max(cos(E_img, E_txt), 0) (Hessel et al. 2021). Batched on the device."""
 
     def __init__(self, kind: str, model: str, device):
         from transformers import AutoConfig, CLIPModel, CLIPProcessor
@@ -798,7 +733,7 @@ def reward_spec(args: Args) -> str:
     return args.reward if args.reward != "auto" else "toy-strict" if args.model == "toy" else "pickscore"
 
 def build_reward(args: Args, device):
-    """The weighted sum the --reward spec names, every term moved to `device` as float (N,)."""
+    """The weighted sum the --reward spec names -> (N,) float on `device`."""
     terms = parse_reward(reward_spec(args))
     named = dict(p.split("=", 1) for p in args.reward_model.split(",") if "=" in p)
     scorers = {  # the toy terms look their scorer up at call time, so tests can replace it
@@ -855,8 +790,8 @@ def sde_step(x, v, t, t_next, *, kind="flow", noise_level=None, noise=None, prev
     return prev_sample, log_prob, mean, std.flatten()
 
 def gaussian_kl(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """KL(N(mean, s^2) || N(mean_ref, s^2)) averaged over dimensions, mean_d (mu - mu_ref)^2 / (2 s^2) -> (B,):
-    Flow-GRPO's Eq. 10 per dimension (Deviation 2)."""
+    """KL(N(mean, s^2) || N(mean_ref, s^2)) = mean_d (mu - mu_ref)^2 / (2 s^2) -> (B,): Flow-GRPO's
+    Eq. 10 per dimension (Deviation 2)."""
     safe = torch.where(std > 0, std, torch.ones_like(std)).reshape(-1, *([1] * (mean.dim() - 1)))
     return mean_over_dims((mean - mean_ref) ** 2 / (2 * safe**2)) * (std > 0)
 
@@ -868,12 +803,12 @@ def time_grid(steps: int, shift: float = 1.0) -> torch.Tensor:
     return scheduler.sigmas.float()
 
 def step_stds(grid: torch.Tensor, args: Args) -> torch.Tensor:
-    """(S,) transition std of an SDE step at each step of `grid` (it does not depend on the state)."""
+    """(S,) transition std of the SDE at each step of `grid` (it does not depend on the state)."""
     z = torch.zeros(len(grid) - 1, 1)
     return sde_step(z, z, grid[:-1], grid[1:], kind=args.sde, noise_level=args.sde_level, noise=z)[3]
 
 def trainable_steps(grid: torch.Tensor, args: Args) -> torch.Tensor:
-    """(S,) bool: stochastic under the chosen SDE (std > 0) and not the last step (Flow-GRPO trains 0..S-2)."""
+    """(S,) bool: stochastic under the SDE (std > 0) and not the last step (Flow-GRPO trains 0..S-2)."""
     s = len(grid) - 1
     return (step_stds(grid, args) > 0) & (torch.arange(s) < s - 1)
 
@@ -883,7 +818,7 @@ def trainable_steps(grid: torch.Tensor, args: Args) -> torch.Tensor:
 
 @dataclass
 class Meter:
-    """The honest compute counter: per-image model forward passes (a CFG step counts 2) and reward calls."""
+    """Per-image forward passes (a CFG step counts 2) and reward calls."""
 
     nfe: int = 0
     reward_calls: int = 0
@@ -902,9 +837,8 @@ class Trajectory:
 @torch.no_grad()
 def rollout(policy, cond: dict, x: torch.Tensor, times: torch.Tensor, stochastic, args: Args, meter: Meter,
             gen: torch.Generator | None = None) -> Trajectory:
-    """Integrate from x (B, C, H, W) along `times` ((S+1,) or (B, S+1), decreasing), with an SDE step where
-    `stochastic` (S,) holds and an Euler step elsewhere. Every method samples through this: Flow-GRPO (all
-    SDE), TempFlow and G2RPO branches (a stored start, one SDE step, own grid), Stepwise's Tweedie ODE."""
+    """Integrate x (B, C, H, W) along `times` ((S+1,) or (B, S+1), decreasing) with an SDE step where
+    `stochastic` (S,) holds and an Euler step elsewhere: every method samples through this."""
     b = x.shape[0]
     times = (times if times.dim() == 2 else times.expand(b, -1)).to(x.device)
     states, log_probs, stds, velocities = [x], [], [], []
@@ -923,15 +857,14 @@ def rollout(policy, cond: dict, x: torch.Tensor, times: torch.Tensor, stochastic
     return Trajectory(states, times, log_probs, stds, velocities)
 
 def initial_noise(policy, n: int, gen: torch.Generator) -> torch.Tensor:
-    """(n, C, H, W) standard normal latents, drawn on the CPU generator and moved to the policy's device."""
+    """(n, C, H, W) standard normal latents, drawn on the CPU generator, on the policy's device."""
     from diffusers.utils.torch_utils import randn_tensor
     return randn_tensor(policy.latent_shape(n), generator=gen, device=policy.device)
 
 @dataclass
 class Transitions:
-    """A flat list of N transitions x -> x_next to train on: the one thing every method hands the loss.
-    Transitions with the same `chunk` id share one importance ratio (Chunk-GRPO; by default each is its own
-    chunk: step-level GRPO); `weight` is TempFlow's step weight. Floats live on the policy's device, ids on the CPU."""
+    """The N transitions x -> x_next that a method hands the loss. Those with the same `chunk` id share one
+    importance ratio (Chunk-GRPO; by default each is its own chunk); `weight` is TempFlow's step weight."""
 
     x: torch.Tensor  # (N, C, H, W) state before the step
     x_next: torch.Tensor  # (N, C, H, W) sampled state after the step
@@ -949,8 +882,7 @@ class Transitions:
         return len(self.t)
 
     def __getitem__(self, idx: torch.Tensor) -> "Transitions":
-        """The transitions a CPU mask or index tensor selects: as indices, moved to each field's device (a
-        boolean mask on a GPU would cost a host sync)."""
+        """The transitions a CPU mask or index tensor selects (as indices: a GPU mask costs a sync)."""
         idx = idx.nonzero().flatten() if idx.dtype == torch.bool else idx
         return Transitions(**{f.name: getattr(self, f.name)[idx.to(getattr(self, f.name).device)]
                               for f in dataclasses.fields(self)})
@@ -966,7 +898,7 @@ class Transitions:
 def transitions_from(traj: Trajectory, prompt: torch.Tensor, advantage, trained, *, weight=None, chunk=None,
                      first_step: int = 0) -> Transitions:
     """The trained transitions of a trajectory batch. advantage, weight, chunk: a number, (S,), (B, 1) or
-    (B, S); trained: (S,) or (B, S) bool; first_step: base-grid index of the trajectory's first transition."""
+    (B, S); trained: (S,) or (B, S) bool; first_step: base-grid index of the first transition."""
     b, s = traj.log_probs.shape
 
     def per_step(value, on=torch.device("cpu")):  # -> (B, S)
@@ -987,9 +919,8 @@ def transitions_from(traj: Trajectory, prompt: torch.Tensor, advantage, trained,
 
 @dataclass
 class Context:
-    """What a credit-assignment function is given: the policy, this iteration's prompts and helpers.
-    Under torchrun each rank samples `group_size` members of every group; `shared_gen`, the same on every
-    rank, draws what a group shares (its starting noise, its branch points)."""
+    """What a method is given: the policy, the iteration's prompts and helpers. Under torchrun each rank
+    samples `group_size` members of every group; `shared_gen`, the same on every rank, draws what a group shares."""
 
     policy: Policy
     args: Args
@@ -1017,22 +948,21 @@ class Context:
         return initial_noise(self.policy, n, self.shared_gen)
 
     def cond_of(self, prompt: torch.Tensor) -> dict:
-        """The embeddings of prompts `prompt` (N,) (CPU ids): (N, ...) on the device."""
+        """Embeddings of prompt ids `prompt` (N,) -> (N, ...) on the device."""
         return {k: e[prompt.to(e.device)] for k, e in self.cond.items()}
 
     def rollout(self, prompt: torch.Tensor, x, times, stochastic) -> Trajectory:
         return rollout(self.policy, self.cond_of(prompt), x, times, stochastic, self.args, self.meter, self.gen)
 
     def reward(self, x: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
-        """Decode and score final latents x (N, C, H, W) of prompts `prompt` (N,) -> (N,) on x's device."""
+        """Decode and score latents x (N, C, H, W) of prompts `prompt` (N,) -> (N,)."""
         self.meter.reward_calls += len(x)
         return self.reward_fn(self.policy.decode(x), [self.metas[i] for i in prompt.tolist()]).to(x.device)
 
     def advantages(self, r: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-        """(r - mean_g) / (std_g + 1e-4) with the group's population std (Deviation 3); 0 for every member
-        of a group whose rewards are all equal (counted in zero_std_frac). Under torchrun the rewards of
-        all ranks are gathered first, so a group spanning ranks is normalised whole; every rank lays its
-        group ids (CPU) out alike and keeps the advantages of its own samples."""
+        """(r - mean_g) / (std_g + 1e-4), population std (Deviation 3); 0 for a group whose rewards are all
+        equal (counted in zero_std_frac). Rewards of all ranks are gathered first, so a group spanning ranks is
+        normalised whole; each rank keeps its own samples' advantages."""
         n, group = len(r), group.repeat(self.dist.world)
         r = self.dist.gather(r)  # (ranks*N,) in rank order
         mean, inv = segment_mean(r, group)
@@ -1090,14 +1020,14 @@ def stepwise(ctx: Context):
     return transitions_from(traj, prompt, adv, ctx.trainable()), r[:, -1]
 
 def tweedie_x0(ctx: Context, prompt, x, v, t, n: int) -> torch.Tensor:
-    """x0_hat of states x (N, C, H, W) at times t (N,) by n Euler steps to t = 0 on an equal sub-grid. The
-    first step reuses the velocity v sampling computed at x: n sub-steps cost n - 1 passes (plain Tweedie 0)."""
+    """x0_hat of states x (N, C, H, W) at times t (N,) by n Euler steps to t = 0; the first reuses the
+    sampler's velocity v, so n sub-steps cost n - 1 passes."""
     times = t[:, None] * torch.linspace(1, 0, n + 1, device=t.device)  # (N, n+1)
     x = ode_step(x, v, times[:, 0], times[:, 1])
     return x if n == 1 else ctx.rollout(prompt, x, times[:, 1:], [False] * (n - 1)).states[:, -1]
 
 def gain_advantages(ctx: Context, r: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
-    """Stepwise's credit: gains r[:, k+1] - r[:, k] of rewards r (B*G, S+1), normalised jointly over all
+    """Stepwise's credit: gains r[:, k+1] - r[:, k] of rewards r (B*G, S+1), normalised over all
     (trajectory, step) of a prompt -> (B*G, S)."""
     gains = r[:, 1:] - r[:, :-1]  # (B*G, S)
     return ctx.advantages(gains.flatten(), repeat(prompt, gains.shape[1])).view_as(gains)
@@ -1206,8 +1136,8 @@ def relative_l1(states: torch.Tensor) -> torch.Tensor:
     return diff / (states[:, :-1].abs().flatten(2).mean(2) + 1e-8)
 
 def chunks_from_profile(profile: torch.Tensor, num_chunks: int) -> list[int]:
-    """Chunk sizes from a relative-L1 profile (S,) of the trained steps: the boundaries split its total
-    variation sum_k |L1rel_{k+1} - L1rel_k| equally, so fast-changing steps get small chunks (Deviation 9)."""
+    """Chunk sizes whose boundaries split the relative-L1 profile's (S,) total variation equally, so
+    fast-changing steps get small chunks (Deviation 9)."""
     n = len(profile)
     num_chunks = min(num_chunks, n)
     change = torch.cat([profile[1:2] - profile[:1], profile[1:] - profile[:-1]]).abs() + 1e-6  # (S,)
@@ -1220,7 +1150,7 @@ def chunks_from_profile(profile: torch.Tensor, num_chunks: int) -> list[int]:
     return [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 def parse_chunks(text: str, n_trained: int) -> list[int] | None:
-    """'auto' -> None (computed from the profile); else sizes that must sum to the trained steps."""
+    """'auto' -> None; else sizes that must sum to the trained steps."""
     sizes = None if text == "auto" else parse_ints(text, "--chunks", "2,3,4")
     if sizes and (min(sizes) < 1 or sum(sizes) != n_trained):
         raise UsageError(f"--chunks must be 'auto' or positive sizes summing to the {n_trained} trained steps, "
@@ -1228,8 +1158,8 @@ def parse_chunks(text: str, n_trained: int) -> list[int] | None:
     return sizes
 
 def chunk_sizes_of(policy, args: Args, grid: torch.Tensor, dist: Dist = Dist()) -> list[int] | None:
-    """Chunk-GRPO's sizes over the trained steps: --chunks, or auto from the base model's profile on a fixed
-    batch, rank 0's broadcast; None for the other methods."""
+    """Chunk-GRPO's sizes: --chunks, or from the base model's profile on a fixed batch (rank 0's);
+    None for the other methods."""
     if args.method != "chunk":
         return None
     trainable = trainable_steps(grid, args)
@@ -1297,8 +1227,7 @@ def micro_batches(tr: Transitions, size: int) -> list[Transitions]:
     return [tr[torch.isin(tr.chunk, torch.tensor(p))] for p in pieces]
 
 def accumulate_gradients(policy, cond: dict, mb: Transitions, args: Args) -> list[dict]:
-    """Backward of a minibatch's loss in micro-batches of at most `micro_batch` transitions, so that memory
-    is set by the micro-batch; under DDP only the last backward averages the gradients over ranks."""
+    """Backward of a minibatch's loss in micro-batches; under DDP only the last backward syncs."""
     pieces, totals = micro_batches(mb, args.micro_batch), (len(torch.unique(mb.chunk)), len(mb))
     no_sync, stats = getattr(policy.denoiser, "no_sync", contextlib.nullcontext), []
     for i, piece in enumerate(pieces):
@@ -1309,10 +1238,9 @@ def accumulate_gradients(policy, cond: dict, mb: Transitions, args: Args) -> lis
     return stats
 
 def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Generator, dist: Dist = Dist()) -> dict:
-    """Inner PPO updates. Transitions with advantage 0 (groups whose rewards are all equal) are left out,
-    as Flow-GRPO does; the chunks left are shuffled, a `train_fraction` of them kept and split into
-    `inner_updates` minibatches, one AdamW step each after global grad-norm clipping; the first minibatch
-    is exactly on-policy (ratio 1). Every rank takes the same number of steps (DDP averages gradients)."""
+    """Inner PPO updates. Transitions with advantage 0 (groups of equal rewards) are left out, as
+    Flow-GRPO does; the chunks are shuffled, a `train_fraction` kept and split into `inner_updates`
+    minibatches, one clipped AdamW step each; the first is on-policy (ratio 1)."""
     tr = tr[tr.advantage.cpu() != 0]
     ids = torch.unique(tr.chunk)
     order = ids[torch.randperm(len(ids), generator=gen)][: max(1, round(len(ids) * args.train_fraction))]
@@ -1356,13 +1284,13 @@ def add_lora(policy, args: Args) -> list[torch.nn.Parameter]:
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    elif name == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but no CUDA device is available; use --device cpu or auto")
-    if name not in ("cpu", "cuda"):
-        raise UsageError(f"--device must be auto, cpu or cuda, got {name!r}")
     return torch.device(name)
 
+CHOICES = {"method": CREDIT_ASSIGNMENT, "sde": SDE_LEVELS, "dtype": ("auto", "fp32", "bf16"),
+           "device": ("auto", "cpu", "cuda")}
 RULES = {  # what a valid value of each flag is, and how to tell
     ">= 0 (0: the method's default)": (["iterations"], lambda v: v >= 0),
     ">= 2": (["group_size"], lambda v: v >= 2),
@@ -1380,19 +1308,16 @@ RULES = {  # what a valid value of each flag is, and how to tell
 }
 
 def validate(args: Args) -> None:
-    """Every bad input becomes one UsageError naming the flag and what is valid, before any file is written."""
-    if args.method not in CREDIT_ASSIGNMENT:
-        raise UsageError(f"unknown --method {args.method!r}; choose one of {', '.join(CREDIT_ASSIGNMENT)} (or all)")
-    if args.sde not in SDE_LEVELS:
-        raise UsageError(f"unknown --sde {args.sde!r}; choose one of {', '.join(SDE_LEVELS)}")
+    """Every bad input becomes one UsageError naming the flag and what is valid."""
+    for name, options in CHOICES.items():
+        if getattr(args, name) not in options:
+            raise UsageError(f"unknown --{name} {getattr(args, name)!r}; choose one of {', '.join(options)}")
     for valid, (names, ok) in RULES.items():
         for name in names:
             if not ok(getattr(args, name)):
                 raise UsageError(f"--{name.replace('_', '-')} must be {valid}, got {getattr(args, name)!r}")
     if args.sde != "flow" and args.sde_level > 1:
         raise UsageError(f"--noise-level of the {args.sde} SDE must be in (0, 1], got {args.noise_level!r}")
-    if args.dtype not in ("auto", "fp32", "bf16"):
-        raise UsageError(f"--dtype must be auto, fp32 or bf16, got {args.dtype!r}")
     if args.model != "toy" and args.model.startswith((".", "/", "~")) and not Path(args.model).expanduser().exists():
         raise UsageError(f"--model {args.model}: no such folder (a diffusers pipeline folder or a hub id is expected)")
     toy_terms = [n for n, _ in parse_reward(reward_spec(args)) if n.startswith("toy")]
@@ -1407,8 +1332,8 @@ def validate(args: Args) -> None:
     resolve_device(args.device)
 
 def prompt_sets(args: Args) -> tuple[list[dict] | None, list[dict]]:
-    """(training prompts, held-out prompts): the toy generator (None) and toy-GenEval's fixed set; or from
-    --prompts FILE, every 10th line held out and the rest drawn for training."""
+    """(training prompts, held-out prompts): the toy generator (None) and toy-GenEval's fixed set, or
+    --prompts FILE with every 10th line held out."""
     if not args.prompts:
         return None, eval_prompts(args.eval_per_tag)
     metas = [{"tag": "prompt", "prompt": line.strip()} for line in Path(args.prompts).read_text().splitlines()
@@ -1431,7 +1356,7 @@ class Setup:
     eval_metas: list
 
 def setup(args: Args, dist: Dist) -> Setup:
-    """Model, reward, LoRA adapter (wrapped in DDP under torchrun), optimiser and the training grid."""
+    """Model, reward, LoRA adapter (in DDP under torchrun), optimiser and training grid."""
     from transformers import set_seed
     set_seed(args.seed)
     if dist.rank > 0:  # rank 0 loads first: it alone pretrains and caches the toy model if needed
@@ -1450,7 +1375,7 @@ def setup(args: Args, dist: Dist) -> Setup:
     return Setup(policy, reward_fn, params, opt, grid, chunk_sizes, *prompt_sets(args))
 
 def iteration_context(args: Args, s: Setup, it: int, meter: Meter, dist: Dist = Dist()) -> Context:
-    """Iteration `it`'s prompts, embeddings and generators: every draw follows from (seed, iteration)."""
+    """Iteration `it`'s prompts, embeddings and generators; every draw follows from (seed, it)."""
     rng = random.Random(stable_seed(args.seed, "prompts", it))
     metas = ([rng.choice(s.train_pool) for _ in range(args.prompts_per_iter)] if s.train_pool
              else train_prompts(args.prompts_per_iter, rng))
@@ -1460,10 +1385,9 @@ def iteration_context(args: Args, s: Setup, it: int, meter: Meter, dist: Dist = 
                    s.reward_fn, s.chunk_sizes, dist, shared)
 
 def train(args: Args, resume: str | None = None) -> list[dict]:
-    """Run GRPO with the chosen credit assignment; returns the metric records (also in metrics.jsonl).
-    With `resume` (a run folder), continue from its last checkpoint up to `args.iterations`. Under
-    `torchrun --nproc_per_node N` every rank takes all prompts and samples group_size / N members of each
-    group; rewards are gathered before normalisation, DDP averages the gradients, rank 0 evaluates and writes."""
+    """GRPO with the chosen credit assignment -> the metric records (also in metrics.jsonl). `resume`, a run
+    folder, continues from its checkpoint. Under torchrun every rank samples group_size / N members of
+    each group, DDP averages gradients, rank 0 evaluates and writes."""
     from diffusers.training_utils import EMAModel
     validate(args)
     args = dataclasses.replace(args, iterations=args.iterations or DEFAULT_ITERATIONS[args.method])
@@ -1541,7 +1465,7 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
     return history
 
 def iteration_record(it: int, rewards, transitions: Transitions, stats: dict, ctx: Context, wall: float) -> dict:
-    """One line of metrics.jsonl for a training iteration; counters are summed over ranks."""
+    """One line of metrics.jsonl; counters summed over ranks."""
     dist, rewards = ctx.dist, ctx.dist.gather(rewards.float())
     adv_abs = segment_mean(transitions.advantage.abs(), transitions.step)[0].tolist()  # one host sync
     per_step = {f"adv_abs/{k}": a for k, a in zip(transitions.step.unique().tolist(), adv_abs)}
@@ -1581,16 +1505,14 @@ def make_run_dir(args: Args) -> Path:
     return run
 
 def save_checkpoint(run: Path, policy, opt, ema, state: dict) -> None:
-    """Adapter, its moving average, optimizer and RNG state and progress, written atomically. Every draw
-    follows from (seed, iteration), so this is all a resume needs."""
+    """Adapter, moving average, optimizer, RNG state and progress, written atomically."""
     from peft.utils import get_peft_model_state_dict
     torch.save({"lora": get_peft_model_state_dict(policy.net), "optimizer": opt.state_dict(), "ema": ema.state_dict(),
                 "torch_rng": torch.get_rng_state(), **state}, run / "checkpoint.pt.tmp")
     os.replace(run / "checkpoint.pt.tmp", run / "checkpoint.pt")
 
 def load_checkpoint(run: Path, policy, opt, ema) -> dict:
-    """`run`'s checkpoint, loaded onto the CPU as weights only (loading runs no code); the adapter, the
-    optimizer and the moving average copy their tensors to the parameters' device."""
+    """`run`'s checkpoint, onto the CPU as weights only."""
     from peft.utils import set_peft_model_state_dict
     if not (run / "checkpoint.pt").exists():
         raise UsageError(f"--resume {run}: no checkpoint.pt there (a run folder written by this script is expected)")
@@ -1608,11 +1530,9 @@ def load_checkpoint(run: Path, policy, opt, ema) -> dict:
 
 @torch.no_grad()
 def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None):
-    """Deterministic evaluation: fixed prompts and noise, `eval_steps` Euler ODE steps, `micro_batch` prompts
-    at a time -> (metrics, images (N, 3, H, W) on the CPU, metas, toy scores or None). eval_overall is
-    toy-GenEval (the mean of the six category accuracies, as GenEval) or a real model's mean held-out
-    reward; eval_se its standard error over prompts; eval_strict the strict rule's; eval_extra the fraction
-    of images with extra objects."""
+    """Deterministic evaluation: fixed prompts and noise, `eval_steps` ODE steps -> (metrics, images,
+    metas, toy scores or None). eval_overall is toy-GenEval (the mean of six category accuracies) or
+    the mean held-out reward; eval_se its standard error; eval_strict, eval_extra the strict metrics."""
     metas = metas or eval_prompts(args.eval_per_tag)
     grid, noise = policy.time_grid(args.eval_steps), initial_noise(policy, len(metas), generator("eval-noise"))
     images, rewards = [], []
@@ -1639,8 +1559,8 @@ def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None
 
 def save_grid(images: torch.Tensor, metas: list[dict], scores: dict | None, path: Path, title: str,
               per_row: int = 6) -> None:
-    """A labelled PNG: toy, one row per category with GenEval's verdict (✓/✗, and +n for n extra objects);
-    real models, the first three rows of held-out prompts."""
+    """A labelled PNG: toy, a row per category with GenEval's verdict (✓/✗, +n extra objects);
+    real models, three rows of held-out prompts."""
     from matplotlib.figure import Figure
     groups = [m["tag"] if scores else f"prompts {i // per_row * per_row + 1}-" for i, m in enumerate(metas)]
     rows = {name: [i for i, g in enumerate(groups) if g == name][:per_row] for name in list(dict.fromkeys(groups))[:6]}
@@ -1674,7 +1594,7 @@ def line_plots(panels: list[tuple[str, str, dict]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 def plot_curves(history: list[dict], path: Path, label: str) -> None:
-    """Training reward per iteration, and the held-out scores against iterations."""
+    """Training reward, and the held-out scores, against iterations."""
     train, evals = [h for h in history if "reward_mean" in h], [h for h in history if "eval_overall" in h]
     keys = [k for k in ("eval_overall", "eval_strict", "eval_extra") if k in evals[0]]
     reward = {label: ([h["iteration"] for h in train], [h["reward_mean"] for h in train])}
@@ -1682,7 +1602,7 @@ def plot_curves(history: list[dict], path: Path, label: str) -> None:
     line_plots([("iteration", "training reward", reward), ("iteration", "held-out score (ODE)", scores)], path)
 
 def variants(args: Args) -> dict[str, dict]:
-    """The runs of a comparison by label, as changes to `args`: one per method, or one per --sweep value."""
+    """A comparison's runs by label, as changes to `args`: a method each, or a --sweep value each."""
     name, _, values = args.sweep.partition("=")
     if not name:
         return {m: {"method": m} for m in (CREDIT_ASSIGNMENT if args.method == "all" else args.method.split(","))}
@@ -1696,9 +1616,8 @@ def variants(args: Args) -> dict[str, dict]:
             from None
 
 def compare(args: Args, folder: str | None = None) -> Path:
-    """`--method all` (or a list, several --compare-seeds, or --sweep): every variant with the same seeds and
-    settings, `--jobs` runs at a time; writes comparison.md and comparison.png. `--resume` of the comparison's
-    folder continues every run from its last checkpoint and reads finished runs back."""
+    """`--method all` (or a list, several --compare-seeds, or --sweep): every variant with the same seeds,
+    `--jobs` at a time -> comparison.md and .png. `--resume` continues every run."""
     seeds, changes = parse_ints(args.compare_seeds, "--compare-seeds"), variants(args)
     folder = Path(folder) if folder else Path(args.out) / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
     runs, resumes = [], []  # each run's args (its args.json then says: one run) and the folder to resume, if any
@@ -1732,14 +1651,14 @@ def compare(args: Args, folder: str | None = None) -> Path:
     return folder
 
 def train_in_process(args: Args, resume: str | None, threads: int) -> list[dict]:
-    """One run of a comparison in a worker process (`--jobs`), on its share of the CPU threads."""
+    """One run of a comparison in a worker process, on its share of the CPU threads."""
     torch.set_num_threads(threads)
     os.environ["TQDM_DISABLE"] = "1"  # bars of parallel runs would overwrite each other
     return train(args, resume)
 
 def comparison_table(evals: dict, seeds: list[int], args: Args) -> str:
-    """comparison.md: per method, mean ± std over seeds of the held-out scores at the start, at the end, and
-    at the last evaluation within an equal wall-clock and an equal nfe budget."""
+    """comparison.md: per variant, mean ± std over seeds of the held-out scores at the start, the end,
+    and within an equal wall-clock and nfe budget."""
     last = [run[-1] for runs in evals.values() for run in runs]
     budgets = {"wall_s": min(e["wall_s"] for e in last), "nfe": min(e["nfe"] for e in last)}
 
@@ -1770,8 +1689,7 @@ def comparison_table(evals: dict, seeds: list[int], args: Args) -> str:
     return note + "\n\n" + "\n".join(rows) + "\n"
 
 def plot_comparison(evals: dict, path: Path) -> None:
-    """Held-out scores (mean over seeds) against iteration, training wall-clock and forward passes; on the
-    toy world also the strict score and the fraction of images with extra objects against iteration."""
+    """Held-out scores against iteration, wall-clock and nfe; on toy also strict and extra."""
     def mean(runs, key):
         return np.mean([[e[key] for e in run[: min(map(len, runs))]] for run in runs], 0)
 
@@ -1789,10 +1707,9 @@ BF16_PEAK_TFLOPS = {"NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H100 PCIe": 756.0, "
                     "NVIDIA A100 80GB PCIe": 312.0, "NVIDIA A100-PCIE-40GB": 312.0}
 
 def benchmark(args: Args) -> dict:
-    """Cost of a training iteration by phase (text encoding, sampling, reward, training): seconds, images per
-    second, peak memory, and the MFU of sampling and training against the accelerator's bf16 peak. One
-    iteration counts FLOPs under FlopCounterMode (and warms up) without gradient checkpointing, so that
-    recomputation is not counted as work; the next `args.benchmark` are timed. Nothing is written."""
+    """Cost of an iteration by phase: seconds, images per second, peak memory, and the MFU of sampling
+    and training. A first iteration counts FLOPs without gradient checkpointing (recomputation is not
+    work); the next `args.benchmark` are timed. Nothing is written."""
     from torch.utils.flop_counter import FlopCounterMode
     validate(args)
     dist = Dist(device=resolve_device(args.device))
@@ -1855,17 +1772,14 @@ def benchmark(args: Args) -> dict:
 # 11 CLI
 
 def parse_args(argv=None) -> tuple[Args, str | None]:
-    """CLI -> (Args, resume folder): every Args field is a flag whose help is its docstring. With --resume,
-    the run's saved args are the base and the flags given override them (e.g. more --iterations)."""
+    """CLI -> (Args, resume folder). With --resume, the run's saved args are overridden by the flags given."""
     import argparse
-    import ast
     import inspect
     class Parser(argparse.ArgumentParser):
         def error(self, message):
             raise UsageError(message)
 
-    body = ast.parse(inspect.getsource(Args)).body[0].body
-    helps = {a.target.id: b.value.value for a, b in zip(body, body[1:]) if isinstance(a, ast.AnnAssign)}
+    helps = dict(re.findall(r"^    (\w+): .*?  # (.*)$", inspect.getsource(Args), re.M))
     parser = Parser(description="GRPO with credit assignment for flow-matching text-to-image models.",
                     argument_default=argparse.SUPPRESS)  # only the flags given appear in the namespace
     for f in dataclasses.fields(Args):
