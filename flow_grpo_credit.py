@@ -1646,7 +1646,7 @@ def compare(args: Args, folder: str | None = None) -> Path:
     for label, history in zip([label for label in changes for _ in seeds], histories):
         evals[label].append([h for h in history if "eval_overall" in h])
     (folder / "comparison.md").write_text(comparison_table(evals, seeds, args))
-    plot_comparison(evals, folder / "comparison.png")
+    plot_comparison(evals, folder / "comparison.png", seeds, args.sweep)
     print((folder / "comparison.md").read_text())
     return folder
 
@@ -1688,18 +1688,29 @@ def comparison_table(evals: dict, seeds: list[int], args: Args) -> str:
             f"of training wall-clock, {budgets['nfe']:.3g} forward passes (the smallest final value of all runs).")
     return note + "\n\n" + "\n".join(rows) + "\n"
 
-def plot_comparison(evals: dict, path: Path) -> None:
-    """Held-out scores against iteration, wall-clock and nfe; on toy also strict and extra."""
+def plot_comparison(evals: dict, path: Path, seeds: list[int], sweep: str = "") -> None:
+    """Held-out scores against iteration, wall-clock and nfe; on toy also strict and extra. A --sweep plots
+    the scores against the swept value instead: the base model's, and the final ones of each seed and their mean."""
     def mean(runs, key):
         return np.mean([[e[key] for e in run[: min(map(len, runs))]] for run in runs], 0)
 
-    panels = [("iteration", "eval_overall"), ("wall_s", "eval_overall"), ("nfe", "eval_overall")]
-    panels += [("iteration", k) for k in ("eval_strict", "eval_extra") if k in next(iter(evals.values()))[0][0]]
+    keys = [k for k in ("eval_overall", "eval_strict", "eval_extra") if k in next(iter(evals.values()))[0][0]]
     names = {"wall_s": "training wall-clock (s)", "nfe": "forward passes (nfe)", "eval_overall": "toy-GenEval / reward",
              "eval_strict": "strict score", "eval_extra": "images with extra objects"}
+    if sweep:
+        flag, values = sweep.partition("=")[0], [label.partition("=")[2] for label in evals]  # evenly spaced categories
+
+        def at(key, which):  # (values, seeds): every run's score at its first (0) or last (-1) evaluation
+            return np.array([[run[which][key] for run in runs] for runs in evals.values()])
+
+        lines = {k: {"base model": (values, at(k, 0).mean(1)), "final, mean": (values, at(k, -1).mean(1)),
+                     **{f"final, seed {s}": (values, f) for s, f in zip(seeds, at(k, -1).T)}} for k in keys}
+        line_plots([(flag, names[k], lines[k]) for k in keys], path)
+        return
+    panels = [("iteration", "eval_overall"), ("wall_s", "eval_overall"), ("nfe", "eval_overall")]
+    panels += [("iteration", k) for k in keys[1:]]
     line_plots([(names.get(x, x), names[y], {label: (mean(runs, x), mean(runs, y)) for label, runs in evals.items()})
                 for x, y in panels], path)
-
 
 # Dense bf16 peaks from the vendors' data sheets, by torch.cuda.get_device_name's exact answer.
 BF16_PEAK_TFLOPS = {"NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H100 PCIe": 756.0, "NVIDIA H100 NVL": 835.0,

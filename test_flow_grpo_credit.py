@@ -1394,7 +1394,7 @@ def test_bad_real_inputs_are_one_line_errors(tiny_real, tmp_path):
              ({"reward": "toy-strict"}, "--reward toy scores the built-in toy prompts"),
              ({"prompts": str(tmp_path / "none.txt")}, "--prompts"),
              ({"resolution": 30}, "--resolution 30: this model needs a multiple of 4"),
-             ({"dtype": "fp8"}, "--dtype must be")]
+             ({"dtype": "fp8"}, "unknown --dtype 'fp8'")]
     for overrides, needle in cases:
         with pytest.raises(fgc.UsageError, match=re.escape(needle)) as err:
             fgc.train(real_args(tiny_real, tmp_path / "runs", **overrides))
@@ -1476,21 +1476,28 @@ def test_method_all_writes_a_table_scored_within_equal_budgets(tiny_cache, tmp_p
     assert row["passes per iteration"] == f"{np.mean([e[-1]['nfe'] / e[-1]['iteration'] for e in stepwise]):.0f}"
 
 
-def test_sweep_compares_values_of_one_flag_with_a_row_each(tiny_cache, tmp_path):
+def test_sweep_compares_values_of_one_flag_with_a_row_each(tiny_cache, tmp_path, monkeypatch):
     """--sweep beta=0,0.5 runs every value with the same seed and settings, each under its own folder, and
-    writes a row per value; the KL term is 0 without beta and positive with it. A flag that is not numeric
-    is a one-line error."""
+    writes a row per value; the KL term is 0 without beta and positive with it; the figure plots each run's
+    final score against its value. A flag that is not numeric is a one-line error."""
+    panels = []
+    monkeypatch.setattr(fgc, "line_plots", lambda drawn, path: panels.extend(drawn))
     args = tiny_args(tiny_cache, tmp_path, iterations=2, eval_every=1, sweep="beta=0,0.5", lr=1e-2)
     folder = fgc.compare(args)
     rows = table_rows((folder / "comparison.md").read_text())
     assert set(rows) == {"beta=0", "beta=0.5"} and next(iter(rows["beta=0"])) == "beta"
-    kl = {}
+    kl, finals = {}, []
     for label in rows:
         (run,) = (folder / label).iterdir()
         lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert json.loads((run / "args.json").read_text())["beta"] == float(label.split("=")[1])
         kl[label] = max(h.get("kl", 0.0) for h in lines)
+        finals.append([h for h in lines if "eval_strict" in h][-1]["eval_strict"])
     assert kl["beta=0"] == 0 and kl["beta=0.5"] > 0
+    against_beta = {y: lines for x, y, lines in panels if x == "beta"}  # (the runs' own curves come first)
+    strict = against_beta["strict score"]
+    assert len(against_beta) == 3 and strict["final, mean"][0] == ["0", "0.5"]
+    assert list(strict["final, mean"][1]) == list(strict["final, seed 0"][1]) == finals
     with pytest.raises(fgc.UsageError, match="--sweep must name a numeric flag"):
         fgc.compare(dataclasses.replace(args, sweep="sde=flow,ddim"))
 
