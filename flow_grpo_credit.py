@@ -42,9 +42,10 @@ Deviations from the papers and official codes, cited as "Deviation n" where the 
        G2RPO's code: all 8), and TempFlow uses 2 seeds a prompt (paper: 4), for cost.
     8. G2RPO's continuations end exactly at t = 0; the official code scores a one-step Tweedie estimate
        where a coarse grid stops short of 0.
-    9. Chunk-GRPO's automatic chunks split the relative-L1 profile's total variation equally (v1 chose
-       [2,3,4,7] by eye); every chunk is trained by default (paper: 2 of 4, `--chunk-fraction 0.5`); the
-       reward scores the final SDE state (the official code scores x0_hat of the last step).
+    9. Chunk-GRPO's automatic chunks split the relative-L1 profile's total variation equally (the paper's
+       v1 fixes [2,3,4,7] for its 16 steps from the profile's shape); every chunk is trained by default
+       (paper: 2 of 4, `--chunk-fraction 0.5`); the reward scores the final SDE state (the official code
+       scores x0_hat of the last step).
    10. The cps SDE keeps the full Gaussian log-density; the official code drops its constants and 1/(2s^2).
 """
 from __future__ import annotations
