@@ -461,6 +461,7 @@ class ToyPolicy(Policy):
         self.net = self.denoiser = unet
         self.text_encoder, self.tokenizer = text_encoder.requires_grad_(False), tokenizer
         self.cfg = guidance or 1.0
+        self.empty = self.encode([""])  # the CFG branch's condition, encoded once
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> dict:
@@ -469,7 +470,6 @@ class ToyPolicy(Policy):
         return {"encoder_hidden_states": self.text_encoder(ids).last_hidden_state}  # (B, L, 64)
 
     def negative(self, n: int) -> dict:
-        self.empty = getattr(self, "empty", None) or self.encode([""])  # the empty prompt, encoded once
         return {k: e.expand(n, *e.shape[1:]) for k, e in self.empty.items()}
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
@@ -1594,10 +1594,12 @@ def line_plots(panels: list[tuple[str, str, dict]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
+SCORES = ("eval_overall", "eval_strict", "eval_extra")  # the held-out scores plotted (the last two: toy only)
+
 def plot_curves(history: list[dict], path: Path, label: str) -> None:
     """Training reward, and the held-out scores, against iterations."""
     train, evals = [h for h in history if "reward_mean" in h], [h for h in history if "eval_overall" in h]
-    keys = [k for k in ("eval_overall", "eval_strict", "eval_extra") if k in evals[0]]
+    keys = [k for k in SCORES if k in evals[0]]
     reward = {label: ([h["iteration"] for h in train], [h["reward_mean"] for h in train])}
     scores = {k: ([h["iteration"] for h in evals], [h[k] for h in evals]) for k in keys}
     line_plots([("iteration", "training reward", reward), ("iteration", "held-out score (ODE)", scores)], path)
@@ -1695,18 +1697,18 @@ def plot_comparison(evals: dict, path: Path, seeds: list[int], sweep: str = "") 
     def mean(runs, key):
         return np.mean([[e[key] for e in run[: min(map(len, runs))]] for run in runs], 0)
 
-    keys = [k for k in ("eval_overall", "eval_strict", "eval_extra") if k in next(iter(evals.values()))[0][0]]
+    keys = [k for k in SCORES if k in next(iter(evals.values()))[0][0]]
     names = {"wall_s": "training wall-clock (s)", "nfe": "forward passes (nfe)", "eval_overall": "toy-GenEval / reward",
              "eval_strict": "strict score", "eval_extra": "images with extra objects"}
     if sweep:
         flag, values = sweep.partition("=")[0], [label.partition("=")[2] for label in evals]  # evenly spaced categories
-
-        def at(key, which):  # (values, seeds): every run's score at its first (0) or last (-1) evaluation
-            return np.array([[run[which][key] for run in runs] for runs in evals.values()])
-
-        lines = {k: {"base model": (values, at(k, 0).mean(1)), "final, mean": (values, at(k, -1).mean(1)),
-                     **{f"final, seed {s}": (values, f) for s, f in zip(seeds, at(k, -1).T)}} for k in keys}
-        line_plots([(flag, names[k], lines[k]) for k in keys], path)
+        panels = []
+        for k in keys:  # (values, seeds) scores at every run's first and last evaluation
+            base, final = (np.array([[run[i][k] for run in runs] for runs in evals.values()]) for i in (0, -1))
+            lines = {"base model": (values, base.mean(1)), "final, mean": (values, final.mean(1)),
+                     **{f"final, seed {s}": (values, f) for s, f in zip(seeds, final.T)}}
+            panels.append((flag, names[k], lines))
+        line_plots(panels, path)
         return
     panels = [("iteration", "eval_overall"), ("wall_s", "eval_overall"), ("nfe", "eval_overall")]
     panels += [("iteration", k) for k in keys[1:]]

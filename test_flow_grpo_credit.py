@@ -1,6 +1,8 @@
 """Tests that check meaning: equations, invariants of each method, exactness of the scorer, and a
 measured improvement of a short real run. Run with `python -m pytest -q`."""
 import dataclasses
+import inspect
+import io
 import itertools
 import json
 import math
@@ -9,6 +11,7 @@ import random
 import re
 import subprocess
 import sys
+import tokenize
 import types
 from pathlib import Path
 
@@ -742,6 +745,23 @@ def test_dist_reduces_to_a_float64_tensor_on_its_device():
 
 # ----------------------------------------------------------------------------------------------------
 # CLI: bad input is one line and exit status 2, with nothing written
+
+
+def test_every_flag_is_an_args_field_whose_comment_is_its_help(capsys, monkeypatch):
+    """--help lists every Args field as a flag, with the comment written after the field (read here with
+    tokenize, independently of the CLI) and its default."""
+    source = inspect.getsource(fgc.Args)
+    comments = {tok.start[0]: tok.string.lstrip("# ") for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                if tok.type == tokenize.COMMENT}
+    monkeypatch.setenv("COLUMNS", "1000")  # no wrapping inside a help text
+    with pytest.raises(SystemExit):
+        fgc.parse_args(["--help"])
+    options = {m[1]: " ".join(m[2].split()) for m in re.finditer(r"^  (--[\w-]+)(.*?)(?=^  --|\Z)",
+                                                                   capsys.readouterr().out, re.M | re.S)}
+    assert set(options) == {f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(fgc.Args)} | {"--resume"}
+    for f in dataclasses.fields(fgc.Args):
+        row = next(i for i, line in enumerate(source.splitlines(), 1) if line.strip().startswith(f"{f.name}:"))
+        assert options[f"--{f.name.replace('_', '-')}"].endswith(f"{comments[row]} (default: {f.default})"), f.name
 
 
 @pytest.mark.parametrize("argv,needle", [
