@@ -181,7 +181,7 @@ class Args:
     dtype: str = "auto"  # fp32 or bf16 weights of a real model (auto: bf16 on CUDA); the SDE math stays fp32
     low_memory: bool = False  # real models, the 24 GB recipe: gradient checkpointing, text encoders on the CPU
     micro_batch: int = 0  # samples per forward (+ backward) pass in training, evaluation, decoding (0: all)
-    iterations: int = 0  # GRPO iterations (sample, score, update); 0: the method's default (~10 toy minutes)
+    iterations: int = 0  # GRPO iterations (sample, score, update); 0: the method's default (~5 toy minutes)
     prompts_per_iter: int = 8  # prompts sampled per iteration
     group_size: int = 8  # images (or branches) that share one advantage normalisation
     steps: int = 10  # sampling steps during training (Flow-GRPO's denoising reduction: fewer than eval)
@@ -1111,7 +1111,7 @@ def chunk(ctx: Context):
     return transitions_from(traj, prompt, adv, keep, chunk=chunk_id), r
 
 CREDIT_ASSIGNMENT = {"flow_grpo": flow_grpo, "stepwise": stepwise, "tempflow": tempflow, "g2rpo": g2rpo, "chunk": chunk}
-# --iterations 0: each method's default run, about 10 minutes of the toy world on 2 CPU cores, so a
+# --iterations 0: each method's default run, about 5 minutes of the toy world on 2 CPU cores, so a
 # method that spends more forward passes per iteration runs fewer iterations.
 DEFAULT_ITERATIONS = {"flow_grpo": 64, "stepwise": 32, "tempflow": 40, "g2rpo": 32, "chunk": 56}
 
