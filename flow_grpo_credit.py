@@ -121,14 +121,13 @@ class Dist:
     @staticmethod
     def setup(device: torch.device) -> "Dist":
         """Join the process group torchrun describes: gloo on CPU, nccl with one GPU a rank."""
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world, cuda = int(os.environ.get("WORLD_SIZE", "1")), device.type == "cuda"
         if world == 1:
             return Dist(device=device)
-        if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if cuda:
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(device)
         if not torch.distributed.is_initialized():
-            cuda = device.type == "cuda"
             torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=DIST_TIMEOUT,
                                                  device_id=device if cuda else None)
         return Dist(torch.distributed.get_rank(), world, device)
@@ -147,14 +146,6 @@ class Dist:
         parts = [torch.empty_like(x) for _ in range(self.world)]
         torch.distributed.all_gather(parts, x.contiguous())
         return torch.cat(parts)
-
-    def broadcast(self, values: list[int]) -> list[int]:
-        """Rank 0's integers on every rank (each rank passes a list of the same length)."""
-        if self.world == 1:
-            return values
-        x = torch.tensor(values, device=self.device)
-        torch.distributed.broadcast(x, 0)
-        return x.tolist()
 
     def barrier(self) -> None:
         if self.world > 1:
@@ -940,13 +931,9 @@ class Context:
         self.shared_gen = self.shared_gen or self.gen
         self.group_size = self.args.group_size // self.dist.world  # members of each group on this rank
 
-    def noise(self, n: int) -> torch.Tensor:
-        """(n, C, H, W) independent starting noise."""
-        return initial_noise(self.policy, n, self.gen)
-
-    def shared_noise(self, n: int) -> torch.Tensor:
-        """(n, C, H, W) starting noise of n groups, the same on every rank."""
-        return initial_noise(self.policy, n, self.shared_gen)
+    def noise(self, n: int, shared: bool = False) -> torch.Tensor:
+        """(n, C, H, W) starting noise: independent, or `shared` by n groups (the same on every rank)."""
+        return initial_noise(self.policy, n, self.shared_gen if shared else self.gen)
 
     def cond_of(self, prompt: torch.Tensor) -> dict:
         """Embeddings of prompt ids `prompt` (N,) -> (N, ...) on the device."""
@@ -1009,7 +996,7 @@ def stepwise(ctx: Context):
     Differs from flow_grpo by: per-step gains instead of one broadcast advantage; shared noise."""
     b, g, s, n = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1, ctx.args.tweedie_substeps
     prompt = repeat(torch.arange(b), g)  # (B*G,)
-    traj = ctx.rollout(prompt, repeat(ctx.shared_noise(b), g), ctx.grid, [True] * s)
+    traj = ctx.rollout(prompt, repeat(ctx.noise(b, shared=True), g), ctx.grid, [True] * s)
     x, v, t = traj.states[:, 1:-1].flatten(0, 1), traj.velocities[:, 1:].flatten(0, 1), traj.times[:, 1:-1].flatten()
     later = tweedie_x0(ctx, repeat(prompt, s - 1), x, v, t, n).view(b * g, s - 1, *x.shape[1:])
     scored = torch.cat([later, traj.states[:, -1:]], 1)  # (B*G, S, C, H, W): x0_hat of k = 1..S-1, final image
@@ -1042,7 +1029,7 @@ def tempflow(ctx: Context):
     Differs from flow_grpo by: one stochastic step per rollout; per-step rewards; noise-aware weights."""
     b, g, s, seeds = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1, ctx.args.seeds
     prompt = repeat(torch.arange(b), seeds)  # (B*seeds,)
-    main = ctx.rollout(prompt, ctx.shared_noise(b * seeds), ctx.grid, [False] * s)
+    main = ctx.rollout(prompt, ctx.noise(b * seeds, shared=True), ctx.grid, [False] * s)
     trainable = ctx.trainable()
     stds = step_stds(ctx.grid, ctx.args)
     weight = stds / stds[trainable].mean()  # (S,) Norm(sigma_t sqrt(dt)) to mean 1 over trained steps
@@ -1067,7 +1054,7 @@ def g2rpo(ctx: Context):
     Differs from tempflow by: one anchor per prompt, k over the first half, multi-granularity sum, no weights."""
     b, g, s = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
     prompt = torch.arange(b)
-    anchor = ctx.rollout(prompt, ctx.shared_noise(b), ctx.grid, [False] * s)
+    anchor = ctx.rollout(prompt, ctx.noise(b, shared=True), ctx.grid, [False] * s)
     first_half = ctx.trainable() & (torch.arange(s) < s // 2)
     parts, rewards = [], []
     for k in branch_points(ctx, first_half):  # Deviation 7
@@ -1093,7 +1080,7 @@ def chunk(ctx: Context):
     Differs from flow_grpo by: chunk ids that make the shared loss use chunk-level ratios."""
     b, g, s = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
     prompt = repeat(torch.arange(b), g)  # (B*G,)
-    traj = ctx.rollout(prompt, repeat(ctx.shared_noise(b), g), ctx.grid, [True] * s)
+    traj = ctx.rollout(prompt, repeat(ctx.noise(b, shared=True), g), ctx.grid, [True] * s)
     r = ctx.reward(traj.states[:, -1], prompt)
     adv = ctx.advantages(r, prompt)[:, None]
     trainable, sizes = ctx.trainable(), ctx.chunk_sizes
@@ -1170,7 +1157,8 @@ def chunk_sizes_of(policy, args: Args, grid: torch.Tensor, dist: Dist = Dist()) 
     ctx = Context(policy, args, Meter(), generator("chunk-profile"), metas, policy.encode([m["prompt"] for m in metas]),
                   grid, None)
     traj = ctx.rollout(torch.arange(len(metas)), ctx.noise(len(metas)), grid, [True] * (len(grid) - 1))
-    return dist.broadcast(chunks_from_profile(relative_l1(traj.states).mean(0)[trainable].cpu(), args.num_chunks))
+    sizes = chunks_from_profile(relative_l1(traj.states).mean(0)[trainable].cpu(), args.num_chunks)
+    return dist.gather(torch.tensor(sizes, device=dist.device))[: len(sizes)].tolist()  # rank 0's on every rank
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1395,14 +1383,8 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
     dist = Dist.setup(resolve_device(args.device))
     if args.group_size % dist.world:
         raise UsageError(f"--group-size {args.group_size} must be a multiple of the {dist.world} ranks")
-    writer = dist.rank == 0
-    run = Path(resume) if resume else make_run_dir(args) if writer else None  # before the slow loading
-    try:
-        s = setup(args, dist)
-    except UsageError:
-        if run and not resume:  # a model or reward that does not load leaves no empty run folder behind
-            run.rmdir()
-        raise
+    writer, s = dist.rank == 0, setup(args, dist)
+    run = Path(resume) if resume else make_run_dir(args) if writer else None  # after loading: no empty folders
     ema = EMAModel(s.params, decay=args.ema)  # Flow-GRPO's warm-up, min((1+n)/(10+n), decay); evaluated and saved
     meter, history, wall, start_it, bad_in_row = Meter(), [], 0.0, 1, 0
     if resume:
@@ -1477,8 +1459,7 @@ def iteration_record(it: int, rewards, transitions: Transitions, stats: dict, ct
             "wall_s": round(wall, 2), **per_step}
 
 def print_summary(run: Path, history: list[dict], args: Args, wall: float) -> None:
-    evals = [h for h in history if "eval_overall" in h]
-    first, last = evals[0], evals[-1]
+    first, *_, last = [h for h in history if "eval_overall" in h]
     score = "toy-GenEval overall" if args.model == "toy" else "held-out reward"
     print(f"done: {run}\n{score} {first['eval_overall']:.3f} -> {last['eval_overall']:.3f} "
           f"({last['eval_overall'] - first['eval_overall']:+.3f} ± {last['eval_se']:.3f} s.e.) in {wall / 60:.1f} min "
