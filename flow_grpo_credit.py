@@ -1294,6 +1294,7 @@ RULES = {  # what a valid value of each flag is, and how to tell
     "in [0, 1)": (["ema"], lambda v: 0 <= v < 1),
     "in [0, 1]": (["pretrain_detailed"], lambda v: 0 <= v <= 1),
     "in (0, 1]": (["train_fraction", "chunk_fraction"], lambda v: 0 < v <= 1),
+    "positive integers like 1,2,3": (["granularities"], lambda v: min(parse_ints(v, "--granularities")) >= 1),
 }
 
 def validate(args: Args) -> None:
@@ -1309,13 +1310,11 @@ def validate(args: Args) -> None:
         raise UsageError(f"--noise-level of the {args.sde} SDE must be in (0, 1], got {args.noise_level!r}")
     if args.model != "toy" and args.model.startswith((".", "/", "~")) and not Path(args.model).expanduser().exists():
         raise UsageError(f"--model {args.model}: no such folder (a diffusers pipeline folder or a hub id is expected)")
-    toy_terms = [n for n, _ in parse_reward(reward_spec(args)) if n.startswith("toy")]
-    if toy_terms and (args.model != "toy" or args.prompts):
+    toy_reward_named = any(n.startswith("toy") for n, _ in parse_reward(reward_spec(args)))
+    if toy_reward_named and (args.model != "toy" or args.prompts):
         raise UsageError("--reward toy scores the built-in toy prompts on the toy model; use pickscore or clip here")
     if args.prompts and not Path(args.prompts).is_file():
         raise UsageError(f"--prompts {args.prompts}: no such file (one prompt a line is expected)")
-    if min(parse_ints(args.granularities, "--granularities")) < 1:
-        raise UsageError(f"--granularities must be positive integers like 1,2,3, got {args.granularities!r}")
     parse_chunks(args.chunks, int(trainable_steps(time_grid(args.steps), args).sum()))
     parse_ints(args.compare_seeds, "--compare-seeds", "0,1,2")
     resolve_device(args.device)
@@ -1526,9 +1525,8 @@ def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None
         rewards.append((reward_fn or build_reward(args, policy.device))(images[-1], part_metas).float().cpu())
     images, rewards = torch.cat(images).cpu(), torch.cat(rewards)
     if args.model != "toy":
-        se = float(rewards.std() / math.sqrt(len(rewards)))
-        return {"eval_overall": float(rewards.mean()), "eval_se": se, "eval_reward": float(rewards.mean())}, \
-            images, metas, None
+        mean, se = float(rewards.mean()), float(rewards.std() / math.sqrt(len(rewards)))
+        return {"eval_overall": mean, "eval_se": se, "eval_reward": mean}, images, metas, None
     scores, tags = score_batch(images, metas), np.array([m["tag"] for m in metas])
     masks = {tag: torch.from_numpy(tags == tag) for tag in TAGS}
     accuracy = {tag: float(scores["geneval"][mask].mean()) for tag, mask in masks.items()}
