@@ -10,19 +10,14 @@ Five ways to credit the denoising steps of a flow model trained with GRPO, each 
     chunk      Chunk-GRPO          arXiv 2510.21583  one importance ratio per chunk of steps
 
 Conventions
-    * t = 1 is noise, t = 0 is data: x_t = (1 - t) x0 + t x1; the model predicts v = x1 - x0, so the
-      Tweedie estimate is x0_hat = x_t - t v and the predicted noise x1_hat = x_t + (1 - t) v.
-    * A grid t_0 = 1 > ... > t_S = 0 comes from diffusers' FlowMatchEulerDiscreteScheduler; transition
-      k maps the state at t_k to t_{k+1}. The last transition is never trained.
-    * The log-prob of a Gaussian step is a MEAN over the C*H*W dimensions, as in every official code, so
-      the importance ratio is the D-th root of the true likelihood ratio and stays very close to 1:
-      clip ranges are ~1e-3 here and ~1e-4 in the papers rather than PPO's 0.2.
-    * "sigma" collides: `noise_level` (a or eta) scales an SDE's diffusion, `std` is the std of one
-      transition x_k -> x_{k+1}. "r" is always a reward; the importance ratio is `ratio`.
-    * Devices: indices, masks, ids and counters live on the CPU; what goes to the model, a reward or a
-      collective lives on `policy.device`. They cross in named places only: `Dist` owns its device,
-      `Transitions` moves its own masks, `build_reward` moves every term. Randomness is drawn on CPU
-      generators and moved, so CPU and GPU runs draw the same noise.
+    * t = 1 is noise, t = 0 is data: x_t = (1 - t) x0 + t x1, the model predicts v = x1 - x0, the Tweedie estimate
+      is x0_hat = x_t - t v and the predicted noise x1_hat = x_t + (1 - t) v. Transition k maps t_k to t_{k+1} of a
+      grid 1 = t_0 > ... > t_S = 0 from diffusers' FlowMatchEulerDiscreteScheduler; the last is never trained.
+    * A step's Gaussian log-prob is a MEAN over the D = C*H*W dimensions, as in every official code, so the ratio is
+      the D-th root of the likelihood ratio, near 1: clip ranges are ~1e-3 here, ~1e-4 in the papers (PPO: 0.2).
+    * "sigma": `noise_level` (a, eta) scales an SDE's diffusion, `std` is a transition's; "r" is a reward, not `ratio`.
+    * Devices: ids, masks, counters on the CPU; what meets the model, a reward or a collective on `policy.device`. They
+      cross only in `Dist`, `Transitions` and `build_reward`. Noise is drawn on CPU generators: CPU and GPU runs match.
 
 Symbols in shape comments: B prompts, G images per group (or branches), S steps of a grid,
 N transitions, K chunks, C/H/W latent (the toy world's latent is the 3 x 16 x 16 image).
@@ -40,12 +35,10 @@ Deviations from the papers and official codes, cited as "Deviation n" where the 
     6. Stepwise normalises the last step's gain with the others but, as every method here, never trains it.
     7. TempFlow and G2RPO train `branch_steps` (3) branch points drawn per iteration (TempFlow: all 9,
        G2RPO's code: all 8), and TempFlow uses 2 seeds a prompt (paper: 4), for cost.
-    8. G2RPO's continuations end exactly at t = 0; the official code scores a one-step Tweedie estimate
-       where a coarse grid stops short of 0.
-    9. Chunk-GRPO's automatic chunks split the relative-L1 profile's total variation equally (the paper's
-       v1 fixes [2,3,4,7] for its 16 steps from the profile's shape); every chunk is trained by default
-       (paper: 2 of 4, `--chunk-fraction 0.5`); the reward scores the final SDE state (the official code
-       scores x0_hat of the last step).
+    8. G2RPO's continuations reach t = 0 exactly (official code: Tweedie's x0_hat where a coarse grid stops short of 0).
+    9. Chunk-GRPO's automatic chunks split the relative-L1 profile's total variation equally (the paper's v1
+       fixes [2,3,4,7] for its 16 steps from the profile's shape); every chunk is trained by default (paper:
+       2 of 4, `--chunk-fraction 0.5`); the reward scores the final SDE state (official code: x0_hat of the last step).
    10. The cps SDE keeps the full Gaussian log-density; the official code drops its constants and 1/(2s^2).
 """
 from __future__ import annotations
@@ -100,15 +93,10 @@ def mean_over_dims(x: torch.Tensor) -> torch.Tensor:
     return x.flatten(1).mean(1)
 
 def segment_mean(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Means of `values` (N,) per id in `ids` (N,) -> (means (K,) in sorted id order, inverse (N,)),
-    so that means[inverse] is each value's segment mean."""
+    """Per-id means of values (N,) -> (means (K,) in sorted id order, inverse (N,)); means[inverse] is each value's."""
     uniq, inverse = torch.unique(ids.cpu(), return_inverse=True)
     inverse = inverse.to(values.device)
     return values.new_zeros(len(uniq)).scatter_reduce(0, inverse, values, "mean", include_self=False), inverse
-
-
-# Rank 0 alone loads (and may pretrain) the model and evaluates while the other ranks wait for it.
-DIST_TIMEOUT = datetime.timedelta(hours=2)
 
 @dataclass
 class Dist:
@@ -127,8 +115,8 @@ class Dist:
         if cuda:
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(device)
-        if not torch.distributed.is_initialized():
-            torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=DIST_TIMEOUT,
+        if not torch.distributed.is_initialized():  # 2 h: rank 0 alone loads, pretrains, evaluates; the others wait
+            torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=2),
                                                  device_id=device if cuda else None)
         return Dist(torch.distributed.get_rank(), world, device)
 
@@ -155,7 +143,6 @@ class Dist:
 # ----------------------------------------------------------------------------------------------------
 # 1 Args
 
-METHOD_NAMES = ("flow_grpo", "stepwise", "tempflow", "g2rpo", "chunk")
 SDE_LEVELS = {"flow": 1.0, "ddim": 1.0, "cps": 0.8}  # each SDE and its default noise level
 
 @dataclass
@@ -202,7 +189,6 @@ class Args:
     sde: str = "flow"  # SDE of the stochastic steps: flow (Flow-GRPO), ddim (Stepwise), cps (Flow-GRPO's CPS)
     noise_level: float = 0.0  # a of the flow SDE, eta of ddim and cps (0: the SDE's default, 1.0, 1.0, 0.8)
 
-    # method-specific
     tweedie_substeps: int = 5  # stepwise: ODE sub-steps from each state to t=0 for its reward (1: plain Tweedie)
     seeds: int = 2  # tempflow: initial noises per prompt; each seed and branch point holds group_size branches
     branch_steps: int = 3  # tempflow/g2rpo: branch points used per iteration, drawn at random (0: all)
@@ -212,13 +198,11 @@ class Args:
     weighted_chunks: bool = False  # chunk: draw trained chunks with probability proportional to their relative L1
     chunk_fraction: float = 1.0  # chunk: fraction of chunks trained per trajectory
 
-    # toy world pretraining (cached afterwards)
     pretrain_steps: int = 560  # toy: pretraining steps of the base model
     pretrain_batch: int = 64  # toy: pretraining batch size
     pretrain_lr: float = 2e-3  # toy: pretraining learning rate
     pretrain_detailed: float = 0.5  # toy: fraction of pretraining captions that name every colour
 
-    # reliability, comparisons, benchmarks
     checkpoint_every: int = 10  # write checkpoint.pt every N iterations (and at the end); --resume RUN_DIR continues
     max_nonfinite: int = 3  # stop after this many iterations in a row with non-finite rewards, advantages or loss
     compare_seeds: str = "0"  # with --method all (or a list a,b): the seeds every method runs with, e.g. 0,1,2
@@ -229,16 +213,14 @@ class Args:
 
     @property
     def sde_level(self) -> float:
-        """The noise level of the chosen SDE: --noise-level, or the SDE's default."""
         return self.noise_level or SDE_LEVELS.get(self.sde, 1.0)
 
 
 # ----------------------------------------------------------------------------------------------------
 # 2 Toy world: GenEval-style prompts, a renderer and an exact scorer
 #
-# Prompts follow GenEval's metadata: {"tag", "include": [{"class", "count", "color"?, "position"?:
-# [relation, index]}], "exclude"?: [...], "prompt"}. Classes are shapes in a four-colour palette;
-# images are RES x RES RGB in [0, 1] on black.
+# Prompts are GenEval metadata: {"tag", "include": [{"class", "count", "color"?, "position"?: [relation, index]}],
+# "exclude"?: [...], "prompt"}. Classes are shapes in a four-colour palette, images RES x RES RGB in [0, 1] on black.
 
 RES = 16
 SHAPE_SIZE = 5
@@ -247,7 +229,7 @@ CLASSES = ("circle", "square", "triangle")
 COLORS = {"red": (1.0, 0.0, 0.0), "green": (0.0, 1.0, 0.0), "blue": (0.0, 0.0, 1.0), "yellow": (1.0, 1.0, 0.0)}
 RELATIONS = ("left of", "right of", "above", "below")
 NUMBER_WORDS = {2: "two", 3: "three"}
-_MASK_ROWS = {  # 5x5 masks; the scorer tells them apart by fill ratio and top/bottom mass
+_MASK_ROWS = {  # 5x5 masks
     "square": ["#####"] * 5,
     "circle": [".###.", "#####", "#####", "#####", ".###."],
     "triangle": ["..#..", ".###.", ".###.", "#####", "#####"],
@@ -258,8 +240,7 @@ VOCAB = ["[PAD]", "[UNK]", "a", "and", "of", *NUMBER_WORDS.values(), *COLORS, *C
 MAX_TOKENS = 8
 
 def make_prompt(tag: str, rng: random.Random, name_colours: bool = False) -> dict:
-    """One random prompt of a GenEval category. `name_colours` also names the colours the category
-    leaves free, as a detailed pretraining caption does (`--pretrain-detailed`)."""
+    """One random prompt of a GenEval category; `name_colours` names its free colours too (`--pretrain-detailed`)."""
     (a, b), (ca, cb) = rng.sample(CLASSES, 2), rng.sample(list(COLORS), 2)
     obj_a, obj_b, word_a, word_b = {"class": a, "count": 1}, {"class": b, "count": 1}, a, b
     if name_colours or tag in ("colors", "color_attr"):
@@ -300,12 +281,11 @@ def render(meta: dict, rng: random.Random) -> np.ndarray:
     span = RES - SHAPE_SIZE + 1
     for _ in range(1000):  # rejection sampling of non-touching placements that satisfy the relation
         corners = [(rng.randrange(span), rng.randrange(span)) for _ in objects]
-        if any(abs(p[0] - q[0]) <= SHAPE_SIZE and abs(p[1] - q[1]) <= SHAPE_SIZE
-               for i, p in enumerate(corners) for q in corners[:i]):
-            continue
         boxes = [((x + SHAPE_SIZE / 2, y + SHAPE_SIZE / 2), (SHAPE_SIZE, SHAPE_SIZE)) for x, y in corners]
-        if all(item["position"][0] in relations(boxes[i], boxes[item["position"][1]])
-               for i, item in enumerate(meta["include"]) if item.get("position")):
+        apart = all(abs(p[0] - q[0]) > SHAPE_SIZE or abs(p[1] - q[1]) > SHAPE_SIZE
+                    for i, p in enumerate(corners) for q in corners[:i])
+        if apart and all(item["position"][0] in relations(boxes[i], boxes[item["position"][1]])
+                         for i, item in enumerate(meta["include"]) if item.get("position")):
             break
     img = np.zeros((RES, RES, 3), dtype=np.float32)
     for (cls, color), (x, y) in zip(objects, corners):
@@ -315,24 +295,21 @@ def render(meta: dict, rng: random.Random) -> np.ndarray:
 Detection = collections.namedtuple("Detection", "cls color centre size")  # cls None: a blob of no known shape
 
 def detect(img: np.ndarray, min_area: int = 6) -> list[Detection]:
-    """The toy object detector: nearest palette colour per pixel, 4-connected components, shape rule.
-    Exact on rendered images: a square fills its box, a circle misses its corners (fill 21/25), a
-    triangle holds most of its mass in the lower half."""
+    """The toy object detector: nearest palette colour per pixel, 4-connected components, shape rule, exact on
+    rendered images: a square fills its box, a circle misses its corners (fill 21/25), a triangle is bottom-heavy."""
     palette = np.array([(0.0, 0.0, 0.0), *COLORS.values()])  # (5, 3), black background first
     nearest = ((img[:, :, None, :] - palette) ** 2).sum(-1).argmin(-1)  # (RES, RES)
     found, seen = [], np.zeros_like(nearest, dtype=bool)
-    for y0, x0 in zip(*np.nonzero(nearest)):
-        if seen[y0, x0]:
+    for start in zip(*np.nonzero(nearest)):
+        if seen[start]:
             continue
-        colour, stack, pixels = nearest[y0, x0], [(y0, x0)], []
-        seen[y0, x0] = True
-        while stack:  # flood fill
-            y, x = stack.pop()
-            pixels.append((y, x))
-            for yy, xx in ((y + 1, x), (y - 1, x), (y, x + 1), (y, x - 1)):
-                if 0 <= yy < RES and 0 <= xx < RES and not seen[yy, xx] and nearest[yy, xx] == colour:
-                    seen[yy, xx] = True
-                    stack.append((yy, xx))
+        pixels = [start]
+        seen[start] = True
+        for y, x in pixels:  # flood fill: the list grows while it is walked
+            for p in ((y + 1, x), (y - 1, x), (y, x + 1), (y, x - 1)):
+                if 0 <= p[0] < RES and 0 <= p[1] < RES and not seen[p] and nearest[p] == nearest[start]:
+                    seen[p] = True
+                    pixels.append(p)
         if len(pixels) < min_area:
             continue
         ys, xs = np.array(pixels).T
@@ -345,18 +322,15 @@ def detect(img: np.ndarray, min_area: int = 6) -> list[Detection]:
         else:
             cls = "square" if len(pixels) / (h * w) >= 0.92 else "circle"
         centre = (float(xs.min() + xs.max() + 1) / 2, float(ys.min() + ys.max() + 1) / 2)  # box centre, as GenEval
-        found.append(Detection(cls, list(COLORS)[colour - 1], centre, (int(w), int(h))))
+        found.append(Detection(cls, list(COLORS)[nearest[start] - 1], centre, (int(w), int(h))))
     return found
 
 def score_image(img: np.ndarray, meta: dict) -> dict:
-    """Four scores of one image against its prompt:
-    geneval  GenEval's verdict (0/1): each include item needs >= count objects of its class (and colour,
-             and relation to include[index]); each exclude item needs < count objects of its class.
-    dense    per include item, half credit for objects of the class and half for the right colour (each
-             min(n, count) / count), shrunk where an exclude is broken; a position item counts half for
-             its objects and half for the relation; the mean over items, in [0, 1].
-    strict   GenEval's verdict and nothing else: no more objects than the prompt asks for.
-    extra    objects found beyond those asked for (any blob counts, a known shape or not)."""
+    """Four scores of one image against its prompt. geneval: GenEval's verdict (0/1), each include item has >= count
+    objects of its class (and colour, and relation to include[index]), each exclude item < count of its class.
+    dense: per include item half credit for objects of the class and half for the colour (each min(n, count) / count),
+    a position item half that and half its relation, shrunk where an exclude is broken; the mean over items, in [0, 1].
+    extra: objects found beyond those asked for (any blob, a known shape or not). strict: the verdict and no extra."""
     dets = detect(img)
     by_class = {c: [d for d in dets if d.cls == c] for c in CLASSES}
     ok, parts = True, []

@@ -457,7 +457,7 @@ def test_auto_chunks_cover_the_trained_steps_with_small_chunks_where_dynamics_ch
 
 
 @pytest.mark.parametrize("sde", ["flow", "cps"])
-@pytest.mark.parametrize("method", fgc.METHOD_NAMES)
+@pytest.mark.parametrize("method", list(fgc.CREDIT_ASSIGNMENT))
 def test_first_inner_step_is_on_policy_for_every_method(method, sde):
     """One iteration of every method under each SDE kind: finite transitions with their ids on the CPU,
     and an update whose first minibatch is exactly on-policy (ratio 1) with a KL to the reference; a
@@ -1251,7 +1251,7 @@ def real_args(root, out, model="sd3", **kw):
 def test_every_method_trains_a_real_pipeline_and_its_lora_loads_into_diffusers(tiny_real, tmp_path, model):
     from diffusers import DiffusionPipeline
 
-    for method in fgc.METHOD_NAMES:
+    for method in fgc.CREDIT_ASSIGNMENT:
         history = fgc.train(real_args(tiny_real, tmp_path / method, model, method=method))
         steps = [h for h in history if "reward_mean" in h]
         assert len(steps) == 1 and steps[0]["trained"] > 0 and np.isfinite(steps[0]["policy_loss"])
