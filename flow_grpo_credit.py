@@ -369,7 +369,7 @@ def render_batch(metas: list[dict], rng: random.Random) -> torch.Tensor:
 
 class Policy:
     """What the methods sample and train through. A subclass sets `net` (the denoiser that carries the LoRA
-    adapter), `denoiser` (`net`, or its DDP wrapper under torchrun) and `cfg` (real CFG scale, 1 = none)."""
+    adapter), `denoiser` (`net` or its DDP wrapper), `cfg` (real CFG scale, 1 = none), `empty` (the "" prompt)."""
 
     @property
     def device(self):
@@ -386,11 +386,21 @@ class Policy:
         if self.cfg == 1.0:
             return v
         with torch.no_grad():
-            v_uncond = self.forward(x, t, self.negative(len(x)))
+            v_uncond = self.forward(x, t, {k: e.expand(len(x), *e.shape[1:]) for k, e in self.empty.items()})
         return v_uncond + self.cfg * (v - v_uncond)
 
     def time_grid(self, steps: int) -> torch.Tensor:
         return time_grid(steps)
+
+    def save_lora(self, folder: Path) -> None:
+        """`pytorch_lora_weights.safetensors`, which pipelines' `load_lora_weights` and a UNet's `load_lora_adapter`
+        read: peft's keys (diffusers' conversion renames only the UNet's attention layers, a mix its own loader
+        rejects), alpha/r folded into lora_B for loaders that assume alpha = r."""
+        from diffusers.loaders import StableDiffusionLoraLoaderMixin  # the toy's saver, no pipeline import
+        from peft.utils import get_peft_model_state_dict
+        scale = self.net.peft_config["default"].lora_alpha / self.net.peft_config["default"].r
+        layers = {k: v * scale if "lora_B" in k else v for k, v in get_peft_model_state_dict(self.net).items()}
+        getattr(self, "pipe", StableDiffusionLoraLoaderMixin).save_lora_weights(folder, layers)
 
 def build_tokenizer(length: int = MAX_TOKENS):
     """A word-level transformers tokenizer over the toy vocabulary (no files needed)."""
@@ -400,8 +410,8 @@ def build_tokenizer(length: int = MAX_TOKENS):
     core.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]", model_max_length=length)
 
-def build_toy_modules(seed: int):
-    """Fresh toy UNet and CLIP text encoder; 1.7M + 0.1M parameters."""
+def build_toy_modules(seed: int, device="cpu"):
+    """Fresh toy UNet and CLIP text encoder on `device`; 1.7M + 0.1M parameters."""
     from diffusers import UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
     torch.manual_seed(seed)
@@ -413,7 +423,7 @@ def build_toy_modules(seed: int):
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
         cross_attention_dim=64, attention_head_dim=8, norm_num_groups=16)
-    return unet, text_encoder
+    return unet.to(device), text_encoder.to(device)
 
 class ToyPolicy(Policy):
     """A tiny diffusers UNet in pixel space ('latents' are pixels in [-1, 1]) and a tiny CLIP text encoder."""
@@ -426,16 +436,12 @@ class ToyPolicy(Policy):
         self.net = self.denoiser = unet
         self.text_encoder, self.tokenizer = text_encoder.requires_grad_(False), tokenizer
         self.cfg = guidance or 1.0
-        self.empty = self.encode([""])  # the CFG branch's condition, encoded once
+        self.empty = self.encode([""])
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> dict:
-        ids = self.tokenizer(prompts, padding="max_length", max_length=MAX_TOKENS, truncation=True,
-                             return_tensors="pt").input_ids.to(self.device)
-        return {"encoder_hidden_states": self.text_encoder(ids).last_hidden_state}  # (B, L, 64)
-
-    def negative(self, n: int) -> dict:
-        return {k: e.expand(n, *e.shape[1:]) for k, e in self.empty.items()}
+        ids = self.tokenizer(prompts, padding="max_length", truncation=True, return_tensors="pt").input_ids
+        return {"encoder_hidden_states": self.text_encoder(ids.to(self.device)).last_hidden_state}  # (B, L, 64)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return self.denoiser(x, t * 1000, **cond).sample
@@ -446,24 +452,11 @@ class ToyPolicy(Policy):
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         return ((x.float() + 1) / 2).clamp(0, 1)  # (N, 3, RES, RES) in [0, 1]
 
-    def save_lora(self, folder: Path) -> None:
-        """diffusers' LoRA format, which `unet.load_lora_adapter` reads (keys in peft's format: diffusers'
-        conversion renames only the attention layers, a mix its own loader rejects)."""
-        from diffusers.loaders import StableDiffusionLoraLoaderMixin  # the pipeline's saver, no pipeline import
-        StableDiffusionLoraLoaderMixin.save_lora_weights(folder, unet_lora_layers=lora_layers(self.net))
-
-def toy_cache_dir(args: Args) -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flow_grpo_credit"
-    recipe = f"steps{args.pretrain_steps}-b{args.pretrain_batch}-lr{args.pretrain_lr}-d{args.pretrain_detailed}"
-    return Path(args.cache_dir or default) / f"toy-res{RES}-{recipe}-v3"
-
-def pretrain_toy(args: Args, device) -> ToyPolicy:
+def pretrain_toy(args: Args, device) -> dict:
     """Rectified-flow pretraining on rendered shapes: |v(x_t, t, c) - (x1 - x0)|^2, logit-normal t (as SD3),
-    10% empty captions for CFG, an EMA (0.99) of the weights. Seeded."""
+    10% empty captions for CFG, an EMA (0.99) of the weights. Seeded. -> the parts by name."""
     from diffusers.training_utils import EMAModel
-    unet, text_encoder = build_toy_modules(seed=0)
-    unet.to(device).train()
-    text_encoder.to(device).train()
+    unet, text_encoder = build_toy_modules(seed=0, device=device)
     tokenizer, params = build_tokenizer(), [*unet.parameters(), *text_encoder.parameters()]
     opt = torch.optim.AdamW(params, lr=args.pretrain_lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 50))
@@ -484,21 +477,21 @@ def pretrain_toy(args: Args, device) -> ToyPolicy:
         sched.step()
         ema.step(params)
     ema.copy_to(params)
-    return ToyPolicy(unet.eval(), text_encoder.eval(), tokenizer, args.guidance)
+    return {"unet": unet, "text_encoder": text_encoder, "tokenizer": tokenizer}
 
 def load_toy(args: Args, device) -> ToyPolicy:
     """The pretrained toy model from the cache, pretraining it first if absent."""
     from diffusers import UNet2DConditionModel
     from transformers import CLIPTextModel, PreTrainedTokenizerFast
-    folder = toy_cache_dir(args)
-    if not (folder / "done").exists():
-        start, policy = time.time(), pretrain_toy(args, device)
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flow_grpo_credit"
+    recipe = f"steps{args.pretrain_steps}-b{args.pretrain_batch}-lr{args.pretrain_lr}-d{args.pretrain_detailed}"
+    folder = Path(args.cache_dir or default) / f"toy-res{RES}-{recipe}-v3"
+    if not folder.exists():  # it appears whole, renamed from a temporary folder
+        start, parts = time.time(), pretrain_toy(args, device)
         print(f"pretrained the toy model in {time.time() - start:.0f} s; cached in {folder}")
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        parts = {"unet": policy.net, "text_encoder": policy.text_encoder, "tokenizer": policy.tokenizer}
         for name, part in parts.items():
             part.save_pretrained(tmp / name)
-        (tmp / "done").write_text("ok\n")
         if not folder.exists():  # another process may have finished first; its copy is as good
             tmp.replace(folder)
     # every run loads what was saved, so that it starts from bit-identical weights
@@ -515,20 +508,20 @@ class PipelinePolicy(Policy):
 
     def __init__(self, pipe, args: Args, device):
         from diffusers import FluxPipeline
-        self.pipe, self.net, self.denoiser, self.size = pipe, pipe.transformer, pipe.transformer, args.resolution
-        self.flux, self.low_memory, self.micro_batch = isinstance(pipe, FluxPipeline), args.low_memory, args.micro_batch
-        check_resolution(self, args.resolution)
+        self.pipe, self.net, self.denoiser, self.args = pipe, pipe.transformer, pipe.transformer, args
+        self.flux, self.size = isinstance(pipe, FluxPipeline), args.resolution
+        step = pipe.vae_scale_factor * (2 if self.flux else self.net.config.patch_size)  # pixels a side of a token
+        largest = None if self.flux else self.net.config.pos_embed_max_size * step  # SD3's position embedding
+        if self.size % step or (largest and self.size > largest):
+            at_most = f" and at most {largest}" if largest else ""
+            raise UsageError(f"--resolution {self.size}: this model needs a multiple of {step}{at_most}")
         self.cfg = 1.0 if self.flux else args.guidance or 4.5
-        self.flux_guidance = args.guidance or 3.5
-        self.cache = {}  # prompt -> its embeddings, on the CPU: each prompt is encoded once
-        self.net.to(device).requires_grad_(False)
-        pipe.vae.to(device).requires_grad_(False)
+        pipe.to(device)  # the text encoders too, until encode() parks them on the CPU under --low-memory
         if args.low_memory:
             self.net.enable_gradient_checkpointing()
-        names = ("text_encoder", "text_encoder_2", "text_encoder_3")
-        self.encoders = [getattr(pipe, n) for n in names if getattr(pipe, n, None)]
-        for enc in self.encoders:
-            enc.to("cpu" if args.low_memory else device).requires_grad_(False)
+        self.encoders = torch.nn.ModuleList(m for k, m in pipe.components.items() if k.startswith("text_encoder") and m)
+        self.cache = {}  # prompt -> its embeddings, on the CPU: each prompt is encoded once
+        self.empty = self.encode([""])
 
     def latent_shape(self, n: int) -> tuple:
         c, h = self.net.config.in_channels, self.size // self.pipe.vae_scale_factor
@@ -536,10 +529,8 @@ class PipelinePolicy(Policy):
 
     def time_grid(self, steps: int) -> torch.Tensor:
         """(steps + 1,) sigmas as the pipeline sets them (SD3's static shift, FLUX's dynamic one)."""
-        import copy
-
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-        scheduler, cfg = copy.deepcopy(self.pipe.scheduler), self.pipe.scheduler.config
+        scheduler, cfg = self.pipe.scheduler, self.pipe.scheduler.config  # set anew on each call, as pipelines do
         if cfg.get("use_dynamic_shifting"):
             mu = calculate_shift(self.latent_shape(1)[1], cfg.base_image_seq_len, cfg.max_image_seq_len,
                                  cfg.base_shift, cfg.max_shift)
@@ -551,35 +542,27 @@ class PipelinePolicy(Policy):
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> dict:
         """The prompts' embeddings on the device, each prompt encoded once and cached on the CPU."""
-        new = [p for p in dict.fromkeys(prompts) if p not in self.cache]
-        if new:
-            for enc in self.encoders:
-                enc.to(self.device)
-            if self.flux:  # no negative branch
-                emb, pooled, _ = self.pipe.encode_prompt(new, new, device=self.device, max_sequence_length=512)
-            else:  # the negative prompt "" is cached under the key ""
-                emb, neg, pooled, neg_pooled = self.pipe.encode_prompt(new, new, new, device=self.device)
-                new, emb, pooled = [*new, ""], torch.cat([emb, neg[:1]]), torch.cat([pooled, neg_pooled[:1]])
-            for p, e, q in zip(new, emb.cpu(), pooled.cpu()):
+        if new := [p for p in dict.fromkeys(prompts) if p not in self.cache]:
+            self.encoders.to(self.device)  # --low-memory keeps them on the CPU between uses
+            if self.flux:
+                emb, pool, _ = self.pipe.encode_prompt(new, new, self.device, max_sequence_length=512)
+            else:  # the negative prompt "" is `empty`, encoded as a prompt of its own
+                emb, _, pool, _ = self.pipe.encode_prompt(new, new, new, self.device, do_classifier_free_guidance=False)
+            for p, e, q in zip(new, emb.cpu(), pool.cpu()):
                 self.cache[p] = {"encoder_hidden_states": e, "pooled_projections": q}
-            for enc in self.encoders:
-                enc.to("cpu" if self.low_memory else self.device)
+            self.encoders.to("cpu" if self.args.low_memory else self.device)
         return {k: torch.stack([self.cache[p][k] for p in prompts]).to(self.device) for k in self.cache[prompts[0]]}
-
-    def negative(self, n: int) -> dict:
-        return {k: u.expand(n, *u.shape).to(self.device) for k, u in self.cache[""].items()}
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         dtype = self.net.dtype
-        kw = {"hidden_states": x.to(dtype), "timestep": t * 1000, **{k: v.to(dtype) for k, v in cond.items()}}
+        kw = {k: v.to(dtype) for k, v in cond.items()}
         if self.flux:  # FLUX takes t in [0, 1], the positions of text and image tokens, and the guidance scale
             h = self.size // self.pipe.vae_scale_factor // 2
-            kw["timestep"] = t.to(dtype)
             kw["txt_ids"] = torch.zeros(cond["encoder_hidden_states"].shape[1], 3, device=x.device)
             kw["img_ids"] = self.pipe._prepare_latent_image_ids(1, h, h, x.device, dtype)
             if self.net.config.guidance_embeds:
-                kw["guidance"] = torch.full((len(x),), self.flux_guidance, device=x.device, dtype=dtype)
-        return self.denoiser(**kw, return_dict=False)[0].float()
+                kw["guidance"] = torch.full((len(x),), self.args.guidance or 3.5, device=x.device, dtype=dtype)
+        return self.denoiser(x.to(dtype), timestep=t if self.flux else t * 1000, **kw, return_dict=False)[0].float()
 
     @torch.no_grad()
     def decode(self, x: torch.Tensor) -> torch.Tensor:
@@ -588,46 +571,24 @@ class PipelinePolicy(Policy):
         if self.flux:
             x = self.pipe._unpack_latents(x, self.size, self.size, self.pipe.vae_scale_factor)
         x = x / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-        images = [vae.decode(part.to(vae.dtype)).sample.float() for part in x.split(self.micro_batch or 8)]
+        images = [vae.decode(part.to(vae.dtype)).sample.float() for part in x.split(self.args.micro_batch or 8)]
         return torch.cat(images).add(1).div(2).clamp(0, 1)
 
-    def save_lora(self, folder: Path) -> None:
-        """`pytorch_lora_weights.safetensors`, which `pipe.load_lora_weights` reads."""
-        type(self.pipe).save_lora_weights(folder, transformer_lora_layers=lora_layers(self.net))
-
-def check_resolution(policy: PipelinePolicy, resolution: int) -> None:
-    """--resolution must split into whole patches within SD3's position embedding."""
-    cfg = policy.net.config
-    step = policy.pipe.vae_scale_factor * (2 if policy.flux else cfg.patch_size)
-    limit = None if policy.flux else cfg.pos_embed_max_size
-    if resolution % step or resolution < step or (limit and resolution // step > limit):
-        largest = f" and at most {limit * step}" if limit else ""
-        raise UsageError(f"--resolution {resolution}: this model needs a multiple of {step}{largest}")
-
-def lora_layers(net) -> dict:
-    """The adapter's weights with alpha/r folded into lora_B, for loaders that assume alpha = r."""
-    from peft.utils import get_peft_model_state_dict
-    scale = net.peft_config["default"].lora_alpha / net.peft_config["default"].r
-    return {k: v * scale if "lora_B" in k else v for k, v in get_peft_model_state_dict(net).items()}
-
 def load_policy(args: Args, device) -> Policy:
+    """The toy model, or an SD3 / SD3.5 / FLUX.1 diffusers pipeline from a folder or hub id."""
     import diffusers
     import transformers
     diffusers.utils.logging.disable_progress_bar()  # loading bars of tiny files are noise on stderr
     transformers.utils.logging.disable_progress_bar()
-    return load_toy(args, device) if args.model == "toy" else load_pipeline(args, device)
-
-def load_pipeline(args: Args, device) -> PipelinePolicy:
-    """A diffusers SD3 / SD3.5 / FLUX.1 pipeline from a folder or hub id."""
-    import diffusers
+    if args.model == "toy":
+        return load_toy(args, device)
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     try:
         with warnings.catch_warnings():  # newer diffusers call it `dtype`; `torch_dtype` works in every version
             warnings.simplefilter("ignore", FutureWarning)
             pipe = diffusers.DiffusionPipeline.from_pretrained(args.model, torch_dtype=torch.bfloat16 if bf16 else None)
     except (OSError, ValueError) as e:
-        raise UsageError(f"--model {args.model!r}: not a diffusers pipeline folder or reachable hub id "
-                         f"({str(e).splitlines()[0][:160]})") from None
+        raise UsageError(f"--model {args.model!r}: cannot load it ({str(e).splitlines()[0][:160]})") from None
     if not isinstance(pipe, (diffusers.StableDiffusion3Pipeline, diffusers.FluxPipeline)):
         raise UsageError(f"--model {args.model!r} is a {type(pipe).__name__}; expected an SD3 or FLUX pipeline")
     return PipelinePolicy(pipe, args, device)
@@ -637,7 +598,7 @@ def load_pipeline(args: Args, device) -> PipelinePolicy:
 # 4 Rewards: (images (N, 3, H, W) in [0, 1], metas) -> (N,)
 
 CLIP_DEFAULTS = {"pickscore": ("yuvalkirstain/PickScore_v1", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"),
-                 "clip": ("openai/clip-vit-large-patch14", None)}  # (model, processor)
+                 "clip": ("openai/clip-vit-large-patch14",) * 2}  # (model, processor)
 REWARD_NAMES = ("toy-strict", "toy", *CLIP_DEFAULTS)
 
 def toy_reward(images: torch.Tensor, metas: list[dict]) -> torch.Tensor:
@@ -650,50 +611,44 @@ def toy_strict_reward(images: torch.Tensor, metas: list[dict], penalty: float) -
     scores = score_batch(images, metas)
     return scores["dense"] - penalty * scores["extra"]
 
-class ClipReward:
+def clip_reward(kind: str, model: str, device):
     """pickscore: exp(logit_scale) cos(E_img, E_txt) / 26 (Kirstain et al. 2023; / 26 as Flow-GRPO);
     clip: CLIPScore = 2.5 max(cos(E_img, E_txt), 0) (Hessel et al. 2021). Batched on the device."""
-
-    def __init__(self, kind: str, model: str, device):
-        from transformers import AutoConfig, CLIPModel, CLIPProcessor
-        self.kind, (default, processor) = kind, CLIP_DEFAULTS[kind]
-        processor, model = (model, model) if model else (processor or default, default)
-        try:
-            model_type = AutoConfig.from_pretrained(model).model_type
-        except (OSError, ValueError) as e:
-            raise UsageError(f"--reward-model {model!r}: cannot load it ({str(e).splitlines()[0][:160]})") from None
-        if model_type != "clip":
-            raise UsageError(f"--reward-model {model!r} is a {model_type!r} model; {kind} needs a CLIP model")
-        self.model = CLIPModel.from_pretrained(model).to(device).eval().requires_grad_(False)
-        self.processor = CLIPProcessor.from_pretrained(processor)
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer, CLIPModel
+    model, processor = (model, model) if model else CLIP_DEFAULTS[kind]
+    try:
+        model_type = AutoConfig.from_pretrained(model).model_type
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--reward-model {model!r}: cannot load it ({str(e).splitlines()[0][:160]})") from None
+    if model_type != "clip":
+        raise UsageError(f"--reward-model {model!r} is a {model_type!r} model; {kind} needs a CLIP model")
+    clip = CLIPModel.from_pretrained(model).to(device).eval().requires_grad_(False)
+    ip, tok = AutoImageProcessor.from_pretrained(processor), AutoTokenizer.from_pretrained(processor)
+    size = clip.config.vision_config.image_size  # the processor's crop size
+    mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in (ip.image_mean, ip.image_std))
 
     @torch.no_grad()
-    def __call__(self, images: torch.Tensor, metas: list[dict]) -> torch.Tensor:
-        ip, tok, device = self.processor.image_processor, self.processor.tokenizer, self.model.device
-        crop = ip.crop_size  # an int, a dict or (transformers 5) a SizeDict
-        size = crop if isinstance(crop, int) else crop["height"] if isinstance(crop, dict) else crop.height
+    def score(images: torch.Tensor, metas: list[dict]) -> torch.Tensor:
         pixels = F.interpolate(images.float().to(device), size=(size, size), mode="bicubic", antialias=True)
-        mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in (ip.image_mean, ip.image_std))
         text = tok([m["prompt"] for m in metas], padding=True, truncation=True, return_tensors="pt",
                    max_length=min(77, tok.model_max_length)).to(device)
-        out = self.model(pixel_values=(pixels - mean) / std, **text)
-        if self.kind == "pickscore":
+        out = clip(pixel_values=(pixels - mean) / std, **text)
+        if kind == "pickscore":
             return out.logits_per_image.diag() / 26
         return 2.5 * (out.image_embeds * out.text_embeds).sum(-1).clamp_min(0)
+    return score
 
 def parse_reward(spec: str) -> list[tuple[str, float]]:
     """'pickscore:0.7,clip:0.3' -> [('pickscore', 0.7), ('clip', 0.3)]; a bare name weighs 1."""
-    terms = []
-    for part in spec.split(","):
-        name, _, weight = part.strip().partition(":")
+    terms = [part.strip().partition(":") for part in spec.split(",")]  # (name, ":", weight)
+    for name, _, _ in terms:
         if name not in REWARD_NAMES:
             raise UsageError(f"--reward {spec!r}: unknown reward {name!r}; choose {', '.join(REWARD_NAMES)} "
                              "or a sum like pickscore:0.7,clip:0.3")
-        try:
-            terms.append((name, float(weight or 1)))
-        except ValueError:
-            raise UsageError(f"--reward {spec!r}: weights must be numbers, as in pickscore:0.7,clip:0.3") from None
-    return terms
+    try:
+        return [(name, float(weight or 1)) for name, _, weight in terms]
+    except ValueError:
+        raise UsageError(f"--reward {spec!r}: weights must be numbers, as in pickscore:0.7,clip:0.3") from None
 
 def reward_spec(args: Args) -> str:
     return args.reward if args.reward != "auto" else "toy-strict" if args.model == "toy" else "pickscore"
@@ -705,7 +660,7 @@ def build_reward(args: Args, device):
     scorers = {  # the toy terms look their scorer up at call time, so tests can replace it
         "toy": lambda images, metas: toy_reward(images, metas),
         "toy-strict": lambda images, metas: toy_strict_reward(images, metas, args.extra_penalty),
-        **{n: ClipReward(n, named.get(n, "" if named else args.reward_model), device)
+        **{n: clip_reward(n, named.get(n, "" if named else args.reward_model), device)
            for n, _ in terms if n in CLIP_DEFAULTS}}
     return lambda images, metas: sum(w * scorers[n](images, metas).to(device).float() for n, w in terms)
 

@@ -1259,7 +1259,7 @@ def test_every_method_trains_a_real_pipeline_and_its_lora_loads_into_diffusers(t
         assert [h["iteration"] for h in history if "eval_overall" in h] == [0, 1]
     run = next((tmp_path / "flow_grpo").iterdir())
     args = real_args(tiny_real, tmp_path, model)
-    trained = fgc.load_pipeline(args, torch.device("cpu"))
+    trained = fgc.load_policy(args, torch.device("cpu"))
     average = torch.load(run / "checkpoint.pt", weights_only=True)["ema"]["shadow_params"]
     with torch.no_grad():  # the saved LoRA is the moving average of the adapter weights
         for p, avg in zip(fgc.add_lora(trained, args), average, strict=True):
@@ -1267,12 +1267,10 @@ def test_every_method_trains_a_real_pipeline_and_its_lora_loads_into_diffusers(t
     pipe = DiffusionPipeline.from_pretrained(tiny_real / model)
     pipe.load_lora_weights(run / "lora")  # diffusers' own loader reads the saved file
     fresh = fgc.PipelinePolicy(pipe, args, torch.device("cpu"))
-    base = fgc.load_pipeline(args, torch.device("cpu"))
+    base = fgc.load_policy(args, torch.device("cpu"))
     x = torch.randn(trained.latent_shape(2))
     prompts = ["a photo of a cat", "a house"]
     t, cond = torch.tensor([0.9, 0.4]), trained.encode(prompts)
-    fresh.encode(prompts)  # fills its embedding cache (the negative branch reads it)
-    base.encode(prompts)
     with torch.no_grad():
         v_trained, v_fresh, v_base = (p.velocity(x, t, cond) for p in (trained, fresh, base))
     torch.testing.assert_close(v_fresh, v_trained, atol=1e-5, rtol=1e-4)
@@ -1280,20 +1278,20 @@ def test_every_method_trains_a_real_pipeline_and_its_lora_loads_into_diffusers(t
 
 
 def test_real_time_grids_come_from_the_pipelines_schedulers(tiny_real):
-    sd3 = fgc.load_pipeline(real_args(tiny_real, "x"), torch.device("cpu"))
+    sd3 = fgc.load_policy(real_args(tiny_real, "x"), torch.device("cpu"))
     shift = 3.0  # SD3's static shift: sigma' = s*sigma / (1 + (s-1)*sigma) of the linear grid, up to the
     lin = fgc.time_grid(10)[:-1]  # scheduler's sigma_min (the last step moves by < 6e-3)
     torch.testing.assert_close(sd3.time_grid(10)[:-1], shift * lin / (1 + (shift - 1) * lin), atol=6e-3, rtol=0)
-    flux = fgc.load_pipeline(real_args(tiny_real, "x", "flux"), torch.device("cpu"))
+    flux = fgc.load_policy(real_args(tiny_real, "x", "flux"), torch.device("cpu"))
     grid = flux.time_grid(10)
     assert grid[0] == 1 and grid[-1] == 0 and (grid[1:] < grid[:-1]).all()
     assert not torch.allclose(grid, fgc.time_grid(10))
 
 
 def test_prompt_embeddings_are_encoded_once_and_cached_on_the_cpu(tiny_real, monkeypatch):
-    """Each prompt goes through the text encoders once (the negative "" along with the first batch); the
+    """Each prompt goes through the text encoders once (the negative "" when the policy is made); the
     cache lives on the CPU and encode() hands the embeddings out batch-first on the policy's device."""
-    policy = fgc.load_pipeline(real_args(tiny_real, "x"), torch.device("cpu"))
+    policy = fgc.load_policy(real_args(tiny_real, "x"), torch.device("cpu"))
     encoded, real = [], policy.pipe.encode_prompt
 
     def spy(prompt, *rest, **kw):
@@ -1316,7 +1314,7 @@ def test_a_resolution_the_model_cannot_hold_is_a_one_line_usage_error(tiny_real,
     a multiple of 4 and at most 128. The largest one runs; one patch more is beyond what the transformer
     itself accepts; anything else is a one-line UsageError, and exit status 2 from the CLI."""
     args = real_args(tiny_real, tmp_path / "runs")
-    policy = fgc.load_pipeline(args, torch.device("cpu"))
+    policy = fgc.load_policy(args, torch.device("cpu"))
     step = policy.pipe.vae_scale_factor * policy.net.config.patch_size
     largest = policy.net.config.pos_embed_max_size * step
     assert (step, largest) == (4, 128)
@@ -1352,7 +1350,7 @@ def test_benchmark_of_a_real_pipeline_counts_cfg_passes_and_the_flops_of_each_ph
     images, passes = 2 * 2, 2 * 2 * 4 * 2
     assert result["images"] == images and result["passes"] == passes, "2 prompts x group 2, 4 steps, 2 passes"
     assert result["transitions"] == images * 3
-    policy = fgc.load_pipeline(args, torch.device("cpu"))
+    policy = fgc.load_policy(args, torch.device("cpu"))
     fgc.add_lora(policy, args)
     cond = policy.encode(["a photo of a cat"])
 
