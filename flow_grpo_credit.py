@@ -749,8 +749,7 @@ def ode_step(x: torch.Tensor, v: torch.Tensor, t, t_next) -> torch.Tensor:
     return x + (_as_column(t_next, x) - _as_column(t, x)) * v
 
 def sde_step(x, v, t, t_next, *, kind="flow", noise_level=None, noise=None, prev_sample=None, generator=None):
-    """One stochastic step x_k -> x_{k+1} ~ N(mean, std^2 I) -> (x_next, log_prob (B,), mean, std (B,)).
-    With x0_hat = x - t v, x1_hat = x + (1 - t) v and dt = t - t_next > 0:
+    """One SDE step x_k -> x_{k+1} ~ N(mean, std^2 I), dt = t - t_next -> (x_next, log_prob (B,), mean, std (B,)):
     flow (Flow-GRPO, arXiv 2505.05470 Eq. 9): sigma_t = a sqrt(t / (1 - t)) (t_next in the denominator at t = 1,
          as the official code), mean = x - dt [v + sigma_t^2 / (2t) x1_hat], std = sigma_t sqrt(dt);
     ddim (Stepwise, arXiv 2603.28718 Eq. 8), std = eta t_next sqrt(1 - t), and cps (Flow-GRPO's code, sde_type='cps',
@@ -870,23 +869,21 @@ class Transitions:
     def __getitem__(self, idx: torch.Tensor) -> "Transitions":
         """The transitions a CPU mask or index tensor selects (as indices: a GPU mask costs a sync)."""
         idx = idx.nonzero().flatten() if idx.dtype == torch.bool else idx
-        return Transitions(**{f.name: getattr(self, f.name)[idx.to(getattr(self, f.name).device)]
-                              for f in dataclasses.fields(self)})
+        return Transitions(**{name: value[idx.to(value.device)] for name, value in vars(self).items()})
 
     @staticmethod
     def cat(parts: list["Transitions"]) -> "Transitions":
         """Concatenation that keeps every part's chunks apart."""
         offsets = np.cumsum([0] + [int(p.chunk.max()) + 1 if len(p) else 0 for p in parts[:-1]])
         parts = [dataclasses.replace(p, chunk=p.chunk + int(o)) for p, o in zip(parts, offsets)]
-        return Transitions(**{f.name: torch.cat([getattr(p, f.name) for p in parts])
-                              for f in dataclasses.fields(Transitions)})
+        return Transitions(**{name: torch.cat([vars(p)[name] for p in parts]) for name in vars(parts[0])})
 
 def transitions_from(traj: Trajectory, prompt: torch.Tensor, advantage, trained, *, weight=1.0, chunk=None,
                      first_step: int = 0) -> Transitions:
     """The trained transitions of a trajectory batch. advantage, weight, chunk: a number, (S,), (B, 1) or
     (B, S); trained: (S,) or (B, S) bool; first_step: base-grid index of the first transition."""
     b, s = traj.log_probs.shape
-    keep = torch.as_tensor(trained).expand(b, s).flatten().nonzero().flatten()  # (N,) CPU indices into the (B*S,)
+    keep = torch.as_tensor(trained).expand(b, s).flatten().nonzero().flatten()  # (N,) CPU indices of the B*S steps
 
     def pick(value, on=traj.states.device):  # a number, (S,), (B, 1), (B, S) or (B, S, ...) -> (N, ...)
         value = torch.as_tensor(value).to(on)
@@ -995,8 +992,7 @@ def tweedie_x0(ctx: Context, prompt, x, v, t, n: int) -> torch.Tensor:
     return x if n == 1 else ctx.rollout(prompt, x, times[:, 1:], [False] * (n - 1)).states[:, -1]
 
 def gain_advantages(ctx: Context, r: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
-    """Stepwise's credit: gains r[:, k+1] - r[:, k] of rewards r (B*G, S+1), normalised over all
-    (trajectory, step) of a prompt -> (B*G, S)."""
+    """Rewards r (B*G, S+1) -> gains r[:, k+1] - r[:, k] (B*G, S), normalised over each prompt's (trajectory, step)."""
     gains = r[:, 1:] - r[:, :-1]  # (B*G, S)
     return ctx.advantages(gains.flatten(), repeat(prompt, gains.shape[1])).view_as(gains)
 
@@ -1073,8 +1069,7 @@ def chunk(ctx: Context):
     return transitions_from(traj, prompt, adv, trained, chunk=chunk_id), r
 
 CREDIT_ASSIGNMENT = {"flow_grpo": flow_grpo, "stepwise": stepwise, "tempflow": tempflow, "g2rpo": g2rpo, "chunk": chunk}
-# --iterations 0: each method's default run, about 5 minutes of the toy world on 2 CPU cores, so a
-# method that spends more forward passes per iteration runs fewer iterations.
+# --iterations 0: each method's default run, ~5 minutes of the toy world on 2 CPU cores whatever its cost per iteration.
 DEFAULT_ITERATIONS = {"flow_grpo": 64, "stepwise": 32, "tempflow": 40, "g2rpo": 32, "chunk": 56}
 
 def branch_points(ctx: Context, allowed: torch.Tensor) -> list[int]:
@@ -1085,8 +1080,7 @@ def branch_points(ctx: Context, allowed: torch.Tensor) -> list[int]:
     return ks.tolist()
 
 def continuation_grid(grid: torch.Tensor, start: int, lam: int) -> torch.Tensor:
-    """G2RPO's granularity-lambda grid from node `start`: t_start, t_{start+1}, then every lambda-th node,
-    always ending at t = 0 (Deviation 8)."""
+    """G2RPO's grid of granularity lambda: t_start, t_{start+1}, then every lambda-th node, to t = 0 (Deviation 8)."""
     last = len(grid) - 1
     return grid[sorted({start, min(start + 1, last), *range(start + 1 + lam, last, lam), last})]
 
@@ -1116,8 +1110,7 @@ def parse_chunks(text: str, n_trained: int) -> list[int] | None:
     return sizes
 
 def chunk_sizes_of(policy, args: Args, grid: torch.Tensor, dist: Dist = Dist()) -> list[int] | None:
-    """Chunk-GRPO's sizes: --chunks, or from the base model's profile on a fixed batch (rank 0's);
-    None for the other methods."""
+    """Chunk-GRPO's sizes: --chunks, or the base model's profile on a fixed batch (rank 0's); None for other methods."""
     if args.method != "chunk":
         return None
     trainable = trainable_steps(grid, args)
