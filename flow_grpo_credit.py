@@ -678,16 +678,13 @@ def ode_step(x: torch.Tensor, v: torch.Tensor, t, t_next) -> torch.Tensor:
     return x + (_as_column(t_next, x) - _as_column(t, x)) * v
 
 def sde_step(x, v, t, t_next, *, kind="flow", noise_level=None, noise=None, prev_sample=None, generator=None):
-    """One stochastic step x_k -> x_{k+1} ~ N(mean, std^2 I); returns (x_next, log_prob, mean, std).
-    With x0_hat = x - t v, x1_hat = x + (1 - t) v and dt = t - t_next > 0:
-    flow (Flow-GRPO, arXiv 2505.05470 Eq. 9): sigma_t = a sqrt(t / (1 - t)), t_1 in the denominator at t = 1
-         as the official code;  mean = x - dt [v + sigma_t^2 / (2t) x1_hat],  std = sigma_t sqrt(dt).
-    ddim (Stepwise, arXiv 2603.28718 Eq. 8): std = eta t_next sqrt(1 - t);
-    cps  (Flow-GRPO's code, sde_type='cps'; arXiv 2509.05952): std = t_next sin(eta pi / 2);
-         both with the variance-preserving mean (1 - t_next) x0_hat + sqrt(t_next^2 - std^2) x1_hat.
-    noise_level None is the kind's default. log_prob (B,) is the Gaussian log-density MEAN over C*H*W
-    (Deviation 10), 0 where std = 0 (a deterministic step, never trained); with noise level 0 every kind is
-    the Euler step. `prev_sample` re-scores a stored transition; `std` (B,) is the transition std."""
+    """One SDE step x_k -> x_{k+1} ~ N(mean, std^2 I), dt = t - t_next -> (x_next, log_prob (B,), mean, std (B,)):
+    flow (Flow-GRPO, arXiv 2505.05470 Eq. 9): sigma_t = a sqrt(t / (1 - t)) (t_next in the denominator at t = 1,
+         as the official code), mean = x - dt [v + sigma_t^2 / (2t) x1_hat], std = sigma_t sqrt(dt);
+    ddim (Stepwise, arXiv 2603.28718 Eq. 8), std = eta t_next sqrt(1 - t), and cps (Flow-GRPO's code, sde_type='cps',
+         arXiv 2509.05952), std = t_next sin(eta pi / 2): mean = (1 - t_next) x0_hat + sqrt(t_next^2 - std^2) x1_hat.
+    log_prob is the Gaussian log-density MEAN over C*H*W (Deviation 10), 0 where std = 0 (a step never trained);
+    noise level 0 gives the Euler step, None the kind's default; `prev_sample` re-scores a stored transition."""
     if kind not in SDE_LEVELS:
         raise UsageError(f"unknown SDE kind {kind!r}; choose one of {', '.join(SDE_LEVELS)}")
     x, v = x.float(), v.float()  # fp32: the mean overflows in bf16
@@ -702,8 +699,7 @@ def sde_step(x, v, t, t_next, *, kind="flow", noise_level=None, noise=None, prev
         std = noise_level * tn * torch.sqrt(1 - t_) if kind == "ddim" else tn * math.sin(noise_level * math.pi / 2)
         mean = (1 - tn) * x0_hat + torch.sqrt((tn**2 - std**2).clamp_min(0)) * x1_hat
     if prev_sample is None:
-        from diffusers.utils.torch_utils import randn_tensor
-        noise = randn_tensor(x.shape, generator=generator, device=x.device) if noise is None else noise
+        noise = torch.randn(x.shape, generator=generator) if noise is None else noise  # on the CPU, moved below
         prev_sample = mean + std * noise.to(x.device).float()
     prev_sample, safe_std = prev_sample.detach().float(), torch.where(std > 0, std, torch.ones_like(std))
     log_density = -((prev_sample - mean) ** 2) / (2 * safe_std**2) - torch.log(safe_std) - 0.5 * math.log(2 * math.pi)
@@ -711,8 +707,7 @@ def sde_step(x, v, t, t_next, *, kind="flow", noise_level=None, noise=None, prev
     return prev_sample, log_prob, mean, std.flatten()
 
 def gaussian_kl(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """KL(N(mean, s^2) || N(mean_ref, s^2)) = mean_d (mu - mu_ref)^2 / (2 s^2) -> (B,): Flow-GRPO's
-    Eq. 10 per dimension (Deviation 2)."""
+    """KL at equal stds, mean_d (mu - mu_ref)^2 / (2 s^2) -> (B,): Flow-GRPO's Eq. 10 per dimension (Deviation 2)."""
     safe = torch.where(std > 0, std, torch.ones_like(std)).reshape(-1, *([1] * (mean.dim() - 1)))
     return mean_over_dims((mean - mean_ref) ** 2 / (2 * safe**2)) * (std > 0)
 
@@ -761,8 +756,8 @@ def rollout(policy, cond: dict, x: torch.Tensor, times: torch.Tensor, stochastic
     """Integrate x (B, C, H, W) along `times` ((S+1,) or (B, S+1), decreasing) with an SDE step where
     `stochastic` (S,) holds and an Euler step elsewhere: every method samples through this."""
     b = x.shape[0]
-    times = (times if times.dim() == 2 else times.expand(b, -1)).to(x.device)
-    states, log_probs, stds, velocities = [x], [], [], []
+    times = times.expand(b, -1).to(x.device)  # (B, S+1)
+    states, steps = [x], []
     parts = torch.arange(b, device=x.device).split(args.micro_batch or b)  # forward passes of micro_batch samples
     for k in range(times.shape[1] - 1):
         t, t_next = times[:, k], times[:, k + 1]
@@ -772,15 +767,13 @@ def rollout(policy, cond: dict, x: torch.Tensor, times: torch.Tensor, stochastic
             x, log_prob, _, std = sde_step(x, v, t, t_next, kind=args.sde, noise_level=args.sde_level, generator=gen)
         else:
             x, log_prob, std = ode_step(x, v, t, t_next), x.new_zeros(b), x.new_zeros(b)
-        for seq, value in zip((states, log_probs, stds, velocities), (x, log_prob, std, v)):
-            seq.append(value)
-    states, log_probs, stds, velocities = (torch.stack(seq, 1) for seq in (states, log_probs, stds, velocities))
-    return Trajectory(states, times, log_probs, stds, velocities)
+        states.append(x)
+        steps.append((log_prob, std, v))
+    return Trajectory(torch.stack(states, 1), times, *(torch.stack(seq, 1) for seq in zip(*steps)))
 
 def initial_noise(policy, n: int, gen: torch.Generator) -> torch.Tensor:
     """(n, C, H, W) standard normal latents, drawn on the CPU generator, on the policy's device."""
-    from diffusers.utils.torch_utils import randn_tensor
-    return randn_tensor(policy.latent_shape(n), generator=gen, device=policy.device)
+    return torch.randn(policy.latent_shape(n), generator=gen).to(policy.device)
 
 @dataclass
 class Transitions:
@@ -805,38 +798,32 @@ class Transitions:
     def __getitem__(self, idx: torch.Tensor) -> "Transitions":
         """The transitions a CPU mask or index tensor selects (as indices: a GPU mask costs a sync)."""
         idx = idx.nonzero().flatten() if idx.dtype == torch.bool else idx
-        return Transitions(**{f.name: getattr(self, f.name)[idx.to(getattr(self, f.name).device)]
-                              for f in dataclasses.fields(self)})
+        return Transitions(**{name: value[idx.to(value.device)] for name, value in vars(self).items()})
 
     @staticmethod
     def cat(parts: list["Transitions"]) -> "Transitions":
         """Concatenation that keeps every part's chunks apart."""
         offsets = np.cumsum([0] + [int(p.chunk.max()) + 1 if len(p) else 0 for p in parts[:-1]])
         parts = [dataclasses.replace(p, chunk=p.chunk + int(o)) for p, o in zip(parts, offsets)]
-        return Transitions(**{f.name: torch.cat([getattr(p, f.name) for p in parts])
-                              for f in dataclasses.fields(Transitions)})
+        return Transitions(**{name: torch.cat([vars(p)[name] for p in parts]) for name in vars(parts[0])})
 
-def transitions_from(traj: Trajectory, prompt: torch.Tensor, advantage, trained, *, weight=None, chunk=None,
+def transitions_from(traj: Trajectory, prompt: torch.Tensor, advantage, trained, *, weight=1.0, chunk=None,
                      first_step: int = 0) -> Transitions:
     """The trained transitions of a trajectory batch. advantage, weight, chunk: a number, (S,), (B, 1) or
     (B, S); trained: (S,) or (B, S) bool; first_step: base-grid index of the first transition."""
     b, s = traj.log_probs.shape
+    keep = torch.as_tensor(trained).expand(b, s).flatten().nonzero().flatten()  # (N,) CPU indices of the B*S steps
 
-    def per_step(value, on=torch.device("cpu")):  # -> (B, S)
-        return torch.as_tensor(value).to(on).expand(b, s)
-
-    dev = traj.states.device
-    keep = per_step(trained).bool().flatten().nonzero().flatten()  # (N,) indices into the (B*S,) transitions
-
-    def pick(x, on=dev):  # (B, S, ...) -> (N, ...)
-        return x.flatten(0, 1)[keep.to(on)]
+    def pick(value, on=traj.states.device):  # a number, (S,), (B, 1), (B, S) or (B, S, ...) -> (N, ...)
+        value = torch.as_tensor(value).to(on)
+        return value.expand(b, s, *value.shape[2:]).flatten(0, 1)[keep.to(on)]
 
     return Transitions(
         x=pick(traj.states[:, :-1]), x_next=pick(traj.states[:, 1:]), t=pick(traj.times[:, :-1]),
         t_next=pick(traj.times[:, 1:]), log_prob=pick(traj.log_probs), std=pick(traj.stds),
-        advantage=pick(per_step(advantage, dev)).float(), weight=pick(per_step(1.0 if weight is None else weight, dev)),
-        prompt=pick(per_step(prompt[:, None]), "cpu"), step=pick(per_step(torch.arange(s) + first_step), "cpu"),
-        chunk=pick(per_step(torch.arange(b * s).view(b, s) if chunk is None else chunk), "cpu"))
+        advantage=pick(advantage).float(), weight=pick(weight),
+        prompt=pick(prompt[:, None], "cpu"), step=pick(torch.arange(s) + first_step, "cpu"),
+        chunk=pick(torch.arange(b * s).view(b, s) if chunk is None else chunk, "cpu"))
 
 @dataclass
 class Context:
@@ -859,10 +846,7 @@ class Context:
     def __post_init__(self):
         self.shared_gen = self.shared_gen or self.gen
         self.group_size = self.args.group_size // self.dist.world  # members of each group on this rank
-
-    def noise(self, n: int, shared: bool = False) -> torch.Tensor:
-        """(n, C, H, W) starting noise: independent, or `shared` by n groups (the same on every rank)."""
-        return initial_noise(self.policy, n, self.shared_gen if shared else self.gen)
+        self.trainable = trainable_steps(self.grid, self.args)  # (S,) bool: the steps a method may train
 
     def cond_of(self, prompt: torch.Tensor) -> dict:
         """Embeddings of prompt ids `prompt` (N,) -> (N, ...) on the device."""
@@ -877,9 +861,8 @@ class Context:
         return self.reward_fn(self.policy.decode(x), [self.metas[i] for i in prompt.tolist()]).to(x.device)
 
     def advantages(self, r: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-        """(r - mean_g) / (std_g + 1e-4), population std (Deviation 3); 0 for a group whose rewards are all
-        equal (counted in zero_std_frac). Rewards of all ranks are gathered first, so a group spanning ranks is
-        normalised whole; each rank keeps its own samples' advantages."""
+        """(r - mean_g) / (std_g + 1e-4), population std (Deviation 3); 0 for a group of equal rewards (counted in
+        zero_std_frac). A group spanning ranks is normalised whole; each rank keeps its own samples' advantages."""
         n, group = len(r), group.repeat(self.dist.world)
         r = self.dist.gather(r)  # (ranks*N,) in rank order
         mean, inv = segment_mean(r, group)
@@ -887,9 +870,6 @@ class Context:
         self.stats.setdefault("zero_std", []).append(std < 1e-8)
         adv = torch.where(std[inv] < 1e-8, torch.zeros_like(r), (r - mean[inv]) / (std[inv] + 1e-4))
         return adv[self.dist.rank * n:(self.dist.rank + 1) * n]
-
-    def trainable(self) -> torch.Tensor:
-        return trainable_steps(self.grid, self.args)
 
 def repeat(x: torch.Tensor, g: int) -> torch.Tensor:
     """(B, ...) -> (B*G, ...): each entry repeated g times, groups contiguous."""
@@ -899,33 +879,30 @@ def repeat(x: torch.Tensor, g: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------
 # 7 Credit assignment: one function per method, same signature, side by side
 #
-# Each takes the iteration's Context and returns (Transitions to train on, rewards for logging).
-# Sampling differences are data for the shared rollout: which steps are stochastic, where a
-# trajectory starts, which grid it follows. Nothing below touches the loss or the optimiser.
+# Each takes the iteration's Context and returns (Transitions to train on, rewards for logging). How a method
+# samples is data for the shared rollout: which steps are stochastic, where a trajectory starts, which grid.
 
 def flow_grpo(ctx: Context):
     """Flow-GRPO (arXiv 2505.05470; SDE Eq. 9, GRPO objective with the group-relative advantage).
 
-    All steps SDE from independent noises; one group-normalised advantage per image,
-        A_i = (R_i - mean_group R) / (std_group R + 1e-4),
-    broadcast to every trained step (the last step is not trained)."""
+    All steps SDE from independent noises; one advantage per image, broadcast to every trained step (not the last):
+        A_i = (R_i - mean_group R) / (std_group R + 1e-4)."""
     b, g, s = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
     prompt = repeat(torch.arange(b), g)  # (B*G,)
-    traj = ctx.rollout(prompt, ctx.noise(b * g), ctx.grid, [True] * s)
+    traj = ctx.rollout(prompt, initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, [True] * s)
     r = ctx.reward(traj.states[:, -1], prompt)  # (B*G,)
     adv = ctx.advantages(r, prompt)[:, None]  # (B*G, 1) -> every step
-    return transitions_from(traj, prompt, adv, ctx.trainable()), r
+    return transitions_from(traj, prompt, adv, ctx.trainable), r
 
 def stepwise(ctx: Context):
     """Stepwise-Flow-GRPO (arXiv 2603.28718; Tweedie intermediate rewards and reward gains).
 
-    Shared initial noise per group. Reward of every state k = 0..S through a Tweedie estimate refined
-    by `tweedie_substeps` ODE steps to t = 0: r[i, k] = R(x0_hat(x_k)); credit of step k is its gain
+    Reward of every state, r[i, k] = R(x0_hat(x_k)) for k = 0..S (`tweedie_substeps` ODE steps to t = 0); gains
         g[i, k] = r[i, k+1] - r[i, k],   A = (g - mean_{i,k} g) / std_{i,k} g   over the prompt's group.
-    Differs from flow_grpo by: per-step gains instead of one broadcast advantage; shared noise."""
+    Differs from flow_grpo by: per-step gains instead of one broadcast advantage; shared initial noise per group."""
     b, g, s, n = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1, ctx.args.tweedie_substeps
     prompt = repeat(torch.arange(b), g)  # (B*G,)
-    traj = ctx.rollout(prompt, repeat(ctx.noise(b, shared=True), g), ctx.grid, [True] * s)
+    traj = ctx.rollout(prompt, repeat(initial_noise(ctx.policy, b, ctx.shared_gen), g), ctx.grid, [True] * s)
     x, v, t = traj.states[:, 1:-1].flatten(0, 1), traj.velocities[:, 1:].flatten(0, 1), traj.times[:, 1:-1].flatten()
     later = tweedie_x0(ctx, repeat(prompt, s - 1), x, v, t, n).view(b * g, s - 1, *x.shape[1:])
     scored = torch.cat([later, traj.states[:, -1:]], 1)  # (B*G, S, C, H, W): x0_hat of k = 1..S-1, final image
@@ -934,7 +911,7 @@ def stepwise(ctx: Context):
     start = tweedie_x0(ctx, torch.arange(b), traj.states[::g, 0], traj.velocities[::g, 0], traj.times[::g, 0], n)
     r = torch.cat([repeat(ctx.reward(start, torch.arange(b)), g)[:, None], r], 1)  # (B*G, S+1)
     adv = gain_advantages(ctx, r, prompt)  # (B*G, S); the last step's gain is normalised, not trained (Deviation 6)
-    return transitions_from(traj, prompt, adv, ctx.trainable()), r[:, -1]
+    return transitions_from(traj, prompt, adv, ctx.trainable), r[:, -1]
 
 def tweedie_x0(ctx: Context, prompt, x, v, t, n: int) -> torch.Tensor:
     """x0_hat of states x (N, C, H, W) at times t (N,) by n Euler steps to t = 0; the first reuses the
@@ -944,26 +921,23 @@ def tweedie_x0(ctx: Context, prompt, x, v, t, n: int) -> torch.Tensor:
     return x if n == 1 else ctx.rollout(prompt, x, times[:, 1:], [False] * (n - 1)).states[:, -1]
 
 def gain_advantages(ctx: Context, r: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
-    """Stepwise's credit: gains r[:, k+1] - r[:, k] of rewards r (B*G, S+1), normalised over all
-    (trajectory, step) of a prompt -> (B*G, S)."""
+    """Rewards r (B*G, S+1) -> gains r[:, k+1] - r[:, k] (B*G, S), normalised over each prompt's (trajectory, step)."""
     gains = r[:, 1:] - r[:, :-1]  # (B*G, S)
     return ctx.advantages(gains.flatten(), repeat(prompt, gains.shape[1])).view_as(gains)
 
 def tempflow(ctx: Context):
     """TempFlow-GRPO (arXiv 2508.04324; trajectory branching, seed grouping, Eq. 8's noise-aware weights).
 
-    ODE main path per (prompt, seed); at a bifurcation step k, G children take one SDE step from the
-    ODE state s_k and finish by ODE; process reward R_k^j; advantage over the G children of one
-    (prompt, seed, k); loss weight w_k = std_k / mean_{trained k'} std_k' (mean 1).
+    ODE main path per (prompt, seed); at a bifurcation step k, G children take one SDE step from its state s_k,
+    then ODE; advantage of R_k^j over the G children of (prompt, seed, k); weight w_k = std_k / mean_{trained} std.
     Differs from flow_grpo by: one stochastic step per rollout; per-step rewards; noise-aware weights."""
     b, g, s, seeds = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1, ctx.args.seeds
     prompt = repeat(torch.arange(b), seeds)  # (B*seeds,)
-    main = ctx.rollout(prompt, ctx.noise(b * seeds, shared=True), ctx.grid, [False] * s)
-    trainable = ctx.trainable()
+    main = ctx.rollout(prompt, initial_noise(ctx.policy, b * seeds, ctx.shared_gen), ctx.grid, [False] * s)
     stds = step_stds(ctx.grid, ctx.args)
-    weight = stds / stds[trainable].mean()  # (S,) Norm(sigma_t sqrt(dt)) to mean 1 over trained steps
+    weight = stds / stds[ctx.trainable].mean()  # (S,) Norm(sigma_t sqrt(dt)) to mean 1 over trained steps
     parts, rewards = [], []
-    for k in branch_points(ctx, trainable):  # Deviation 7
+    for k in branch_points(ctx, ctx.trainable):  # Deviation 7
         child_prompt = repeat(prompt, g)  # (B*seeds*G,)
         branch = ctx.rollout(child_prompt, repeat(main.states[:, k], g), ctx.grid[k:], [True] + [False] * (s - k - 1))
         r = ctx.reward(branch.states[:, -1], child_prompt)
@@ -976,15 +950,14 @@ def tempflow(ctx: Context):
 def g2rpo(ctx: Context):
     """G2RPO (arXiv 2510.01982; singular stochastic sampling, multi-granularity advantage integration).
 
-    Shared ODE anchor per prompt; for k in the first half of the steps, G branches take one SDE step
-    from the anchor state s_k; each branch is finished by ODE at every granularity lambda (every
-    lambda-th grid node after t_{k+1}, ending at t = 0) and scored; fused advantage
+    Shared ODE anchor per prompt; for k in the first half of the steps, G branches take one SDE step from its
+    state s_k, each finished by ODE at every granularity lambda (every lambda-th node after t_{k+1}, to t = 0):
         A_k^i = sum_lambda (R_k^{i,lambda} - mean_i) / std_i.
     Differs from tempflow by: one anchor per prompt, k over the first half, multi-granularity sum, no weights."""
     b, g, s = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
     prompt = torch.arange(b)
-    anchor = ctx.rollout(prompt, ctx.noise(b, shared=True), ctx.grid, [False] * s)
-    first_half = ctx.trainable() & (torch.arange(s) < s // 2)
+    anchor = ctx.rollout(prompt, initial_noise(ctx.policy, b, ctx.shared_gen), ctx.grid, [False] * s)
+    first_half = ctx.trainable & (torch.arange(s) < s // 2)
     parts, rewards = [], []
     for k in branch_points(ctx, first_half):  # Deviation 7
         child_prompt = repeat(prompt, g)  # (B*G,)
@@ -1002,33 +975,30 @@ def g2rpo(ctx: Context):
 def chunk(ctx: Context):
     """Chunk-GRPO (arXiv 2510.21583 v1; chunk ratio Eq. 14, relative L1 Eq. 15, chunk weights Eq. 16).
 
-    Sampling and advantage as flow_grpo (shared noise per group, as the paper); the trained steps are
-    split into consecutive chunks and each chunk gets one importance ratio
+    Sampling and advantage as flow_grpo (shared noise per group, as the paper); consecutive trained steps form
+    chunks of one importance ratio each; a fraction may be trained, drawn by mean relative L1 (Deviation 9):
         ratio_j = exp( mean_{k in chunk j} (log pi_theta - log pi_old) ).
-    Optionally only a fraction of the chunks is trained, drawn by their mean relative L1 (Deviation 9).
     Differs from flow_grpo by: chunk ids that make the shared loss use chunk-level ratios."""
     b, g, s = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
     prompt = repeat(torch.arange(b), g)  # (B*G,)
-    traj = ctx.rollout(prompt, repeat(ctx.noise(b, shared=True), g), ctx.grid, [True] * s)
+    traj = ctx.rollout(prompt, repeat(initial_noise(ctx.policy, b, ctx.shared_gen), g), ctx.grid, [True] * s)
     r = ctx.reward(traj.states[:, -1], prompt)
     adv = ctx.advantages(r, prompt)[:, None]
-    trainable, sizes = ctx.trainable(), ctx.chunk_sizes
+    trained, sizes = ctx.trainable, ctx.chunk_sizes
     of_step = torch.full((s,), len(sizes))  # chunk index of each step; len(sizes) = not trained
-    of_step[trainable] = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
-    keep = trainable.expand(b * g, s).clone()  # (B*G, S)
+    of_step[trained] = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
     n_train = max(1, int(len(sizes) * ctx.args.chunk_fraction))
     if n_train < len(sizes):
         rel = relative_l1(traj.states).cpu()  # (B*G, S)
         per_chunk = torch.stack([rel[:, of_step == j].mean(1) for j in range(len(sizes))], 1)  # (B*G, K)
         w = per_chunk + 1e-8 if ctx.args.weighted_chunks else torch.ones_like(per_chunk)
         chosen = torch.multinomial(w, n_train, generator=ctx.gen)  # (B*G, n_train)
-        keep &= torch.zeros(b * g, len(sizes) + 1, dtype=torch.bool).scatter_(1, chosen, True)[:, of_step]
+        trained = torch.zeros(b * g, len(sizes) + 1, dtype=torch.bool).scatter_(1, chosen, True)[:, of_step]
     chunk_id = torch.arange(b * g)[:, None] * len(sizes) + of_step.clamp_max(len(sizes) - 1)  # (B*G, S)
-    return transitions_from(traj, prompt, adv, keep, chunk=chunk_id), r
+    return transitions_from(traj, prompt, adv, trained, chunk=chunk_id), r
 
 CREDIT_ASSIGNMENT = {"flow_grpo": flow_grpo, "stepwise": stepwise, "tempflow": tempflow, "g2rpo": g2rpo, "chunk": chunk}
-# --iterations 0: each method's default run, about 5 minutes of the toy world on 2 CPU cores, so a
-# method that spends more forward passes per iteration runs fewer iterations.
+# --iterations 0: each method's default run, ~5 minutes of the toy world on 2 CPU cores whatever its cost per iteration.
 DEFAULT_ITERATIONS = {"flow_grpo": 64, "stepwise": 32, "tempflow": 40, "g2rpo": 32, "chunk": 56}
 
 def branch_points(ctx: Context, allowed: torch.Tensor) -> list[int]:
@@ -1039,13 +1009,9 @@ def branch_points(ctx: Context, allowed: torch.Tensor) -> list[int]:
     return ks.tolist()
 
 def continuation_grid(grid: torch.Tensor, start: int, lam: int) -> torch.Tensor:
-    """G2RPO's granularity-lambda grid from node `start`: t_start, t_{start+1}, then every lambda-th node,
-    always ending at t = 0 (Deviation 8)."""
-    idx = list(range(start, start + 2)) + list(range(start + 1 + lam, len(grid), lam))
-    idx = [i for i in dict.fromkeys(idx) if i < len(grid)]
-    if idx[-1] != len(grid) - 1:
-        idx.append(len(grid) - 1)
-    return grid[idx]
+    """G2RPO's grid of granularity lambda: t_start, t_{start+1}, then every lambda-th node, to t = 0 (Deviation 8)."""
+    last = len(grid) - 1
+    return grid[sorted({start, min(start + 1, last), *range(start + 1 + lam, last, lam), last})]
 
 def relative_l1(states: torch.Tensor) -> torch.Tensor:
     """Chunk-GRPO's temporal dynamics (v1 Eq. 15): |x_{k+1} - x_k|_1 / |x_k|_1, (B, S+1, ...) -> (B, S)."""
@@ -1056,15 +1022,13 @@ def chunks_from_profile(profile: torch.Tensor, num_chunks: int) -> list[int]:
     """Chunk sizes whose boundaries split the relative-L1 profile's (S,) total variation equally, so
     fast-changing steps get small chunks (Deviation 9)."""
     n = len(profile)
-    num_chunks = min(num_chunks, n)
+    k = min(num_chunks, n)
     change = torch.cat([profile[1:2] - profile[:1], profile[1:] - profile[:-1]]).abs() + 1e-6  # (S,)
     cum = torch.cumsum(change, 0) / change.sum()
-    ends = [int(torch.searchsorted(cum, j / num_chunks)) + 1 for j in range(1, num_chunks)]
-    ends = [min(max(e, j + 1), n - (num_chunks - 1 - j)) for j, e in enumerate(ends)]  # >= 1 step each
-    for j in range(1, len(ends)):
-        ends[j] = max(ends[j], ends[j - 1] + 1)
-    bounds = [0, *ends, n]
-    return [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+    i = torch.arange(1, k)  # (k-1,) inner boundaries; end i of chunk i - 1 lies in [i, n - k + i]
+    ends = torch.searchsorted(cum, i / k) + 1 - i  # minus i: "each chunk >= 1 step" becomes "non-decreasing"
+    ends = ends.clamp(0, n - k).cummax(0).values + i
+    return torch.diff(ends, prepend=torch.tensor([0]), append=torch.tensor([n])).tolist()
 
 def parse_chunks(text: str, n_trained: int) -> list[int] | None:
     """'auto' -> None; else sizes that must sum to the trained steps."""
@@ -1075,17 +1039,16 @@ def parse_chunks(text: str, n_trained: int) -> list[int] | None:
     return sizes
 
 def chunk_sizes_of(policy, args: Args, grid: torch.Tensor, dist: Dist = Dist()) -> list[int] | None:
-    """Chunk-GRPO's sizes: --chunks, or from the base model's profile on a fixed batch (rank 0's);
-    None for the other methods."""
+    """Chunk-GRPO's sizes: --chunks, or the base model's profile on a fixed batch (rank 0's); None for other methods."""
     if args.method != "chunk":
         return None
     trainable = trainable_steps(grid, args)
     if sizes := parse_chunks(args.chunks, int(trainable.sum())):
         return sizes
-    metas = eval_prompts(2, seed=99)
-    ctx = Context(policy, args, Meter(), generator("chunk-profile"), metas, policy.encode([m["prompt"] for m in metas]),
-                  grid, None)
-    traj = ctx.rollout(torch.arange(len(metas)), ctx.noise(len(metas)), grid, [True] * (len(grid) - 1))
+    prompts = [m["prompt"] for m in eval_prompts(2, seed=99)]
+    gen = generator("chunk-profile")
+    x = initial_noise(policy, len(prompts), gen)  # (n, C, H, W)
+    traj = rollout(policy, policy.encode(prompts), x, grid, [True] * (len(grid) - 1), args, Meter(), gen)
     sizes = chunks_from_profile(relative_l1(traj.states).mean(0)[trainable].cpu(), args.num_chunks)
     return dist.gather(torch.tensor(sizes, device=dist.device))[: len(sizes)].tolist()  # rank 0's on every rank
 
@@ -1156,9 +1119,8 @@ def accumulate_gradients(policy, cond: dict, mb: Transitions, args: Args) -> lis
     return stats
 
 def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Generator, dist: Dist = Dist()) -> dict:
-    """Inner PPO updates. Transitions with advantage 0 (groups of equal rewards) are left out, as
-    Flow-GRPO does; the chunks are shuffled, a `train_fraction` kept and split into `inner_updates`
-    minibatches, one clipped AdamW step each; the first is on-policy (ratio 1)."""
+    """Inner PPO updates, the first on-policy (ratio 1): a shuffled `train_fraction` of the chunks in `inner_updates`
+    minibatches, one clipped AdamW step each; as in Flow-GRPO, advantage-0 transitions (equal rewards) are dropped."""
     tr = tr[tr.advantage.cpu() != 0]
     ids = torch.unique(tr.chunk)
     order = ids[torch.randperm(len(ids), generator=gen)][: max(1, round(len(ids) * args.train_fraction))]

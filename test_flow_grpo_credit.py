@@ -315,7 +315,7 @@ def ctx_for(method_args: dict, reward=None, b=2, seed=0):
     ctx = fgc.Context(policy, args, fgc.Meter(), fgc.generator(seed), metas,
                       policy.encode([m["prompt"] for m in metas]), grid, reward)
     if args.method == "chunk":
-        n_trained = int(ctx.trainable().sum())
+        n_trained = int(ctx.trainable.sum())
         ctx.chunk_sizes = fgc.parse_chunks(args.chunks, n_trained) or [1] * n_trained
     return ctx
 
@@ -381,7 +381,7 @@ def test_stepwise_tweedie_estimate_is_the_ode_from_the_state_with_its_first_step
     ctx = ctx_for({"method": "stepwise"})
     b, g, s, n = 2, 4, 6, ctx.args.tweedie_substeps
     prompt = fgc.repeat(torch.arange(b), g)
-    traj = ctx.rollout(prompt, ctx.noise(b * g), ctx.grid, [True] * s)
+    traj = ctx.rollout(prompt, fgc.initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, [True] * s)
     x, v, t = traj.states[:, 2], traj.velocities[:, 2], traj.times[:, 2]
     before = ctx.meter.nfe
     x0_hat = fgc.tweedie_x0(ctx, prompt, x, v, t, n)
