@@ -326,11 +326,14 @@ def detect(img: np.ndarray, min_area: int = 6) -> list[Detection]:
     return found
 
 def score_image(img: np.ndarray, meta: dict) -> dict:
-    """Four scores of one image against its prompt. geneval: GenEval's verdict (0/1), each include item has >= count
-    objects of its class (and colour, and relation to include[index]), each exclude item < count of its class.
-    dense: per include item half credit for objects of the class and half for the colour (each min(n, count) / count),
-    a position item half that and half its relation, shrunk where an exclude is broken; the mean over items, in [0, 1].
-    extra: objects found beyond those asked for (any blob, a known shape or not). strict: the verdict and no extra."""
+    """Four scores of one image against its prompt:
+    geneval  GenEval's verdict (0/1): each include item needs >= count objects of its class (and colour,
+             and relation to include[index]); each exclude item needs < count objects of its class.
+    dense    per include item, half credit for objects of the class and half for the right colour (each
+             min(n, count) / count), shrunk where an exclude is broken; a position item counts half for
+             its objects and half for the relation; the mean over items, in [0, 1].
+    strict   GenEval's verdict and nothing else: no more objects than the prompt asks for.
+    extra    objects found beyond those asked for (any blob counts, a known shape or not)."""
     dets = detect(img)
     by_class = {c: [d for d in dets if d.cls == c] for c in CLASSES}
     ok, parts = True, []
@@ -739,9 +742,6 @@ class Meter:
     nfe: int = 0
     reward_calls: int = 0
 
-    def forward(self, policy, n: int) -> None:
-        self.nfe += n * policy.passes
-
 @dataclass
 class Trajectory:
     states: torch.Tensor  # (B, S+1, C, H, W): x at times[:, 0..S]
@@ -762,7 +762,7 @@ def rollout(policy, cond: dict, x: torch.Tensor, times: torch.Tensor, stochastic
     for k in range(times.shape[1] - 1):
         t, t_next = times[:, k], times[:, k + 1]
         v = torch.cat([policy.velocity(x[i], t[i], {n: c[i] for n, c in cond.items()}) for i in parts])
-        meter.forward(policy, b)
+        meter.nfe += b * policy.passes
         if stochastic[k]:
             x, log_prob, _, std = sde_step(x, v, t, t_next, kind=args.sde, noise_level=args.sde_level, generator=gen)
         else:
@@ -1313,7 +1313,7 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
         finite = bool(dist.reduce(torch.isfinite(rewards).all() & torch.isfinite(transitions.advantage).all(), "min"))
         stats = update(s.policy, s.opt, ctx.cond, transitions, args, ctx.gen, dist) if finite else {"skipped": 1.0}
         if not stats.get("skipped"):  # training (+ reference) passes actually run
-            meter.forward(s.policy, stats.get("trained", 0) * (2 if args.beta > 0 else 1))
+            meter.nfe += stats.get("trained", 0) * (2 if args.beta > 0 else 1) * s.policy.passes
             ema.step(s.params)
         wall += time.time() - start
         bad_in_row = bad_in_row + 1 if stats.get("skipped") else 0
@@ -1493,15 +1493,14 @@ def compare(args: Args, folder: str | None = None) -> Path:
     `--jobs` at a time -> comparison.md and .png. `--resume` continues every run."""
     seeds, changes = parse_ints(args.compare_seeds, "--compare-seeds"), variants(args)
     folder = Path(folder) if folder else Path(args.out) / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
-    runs, resumes = [], []  # each run's args (its args.json then says: one run) and the folder to resume, if any
+    runs = []  # each run's args: its args.json then says one run
     for label, change in changes.items():
-        out = folder / label if args.sweep else folder
         validate(dataclasses.replace(args, **change, sweep=""))
-        for seed in seeds:
-            runs.append(dataclasses.replace(args, **change, seed=seed, compare_seeds=str(seed), sweep="", jobs=1,
-                                            out=str(out)))
-            started = sorted(r.parent for r in out.glob(f"{runs[-1].method}-seed{seed}-*/checkpoint.pt"))
-            resumes.append(str(started[-1]) if started else None)
+        out = str(folder / label if args.sweep else folder)
+        runs += [dataclasses.replace(args, **change, seed=seed, compare_seeds=str(seed), sweep="", jobs=1, out=out)
+                 for seed in seeds]
+    started = [sorted(Path(a.out).glob(f"{a.method}-seed{a.seed}-*/checkpoint.pt")) for a in runs]
+    resumes = [str(found[-1].parent) if found else None for found in started]  # what --resume continues
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
     if args.jobs == 1:
@@ -1515,9 +1514,8 @@ def compare(args: Args, folder: str | None = None) -> Path:
         spawn, threads = multiprocessing.get_context("spawn"), max(1, torch.get_num_threads() // args.jobs)
         with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=spawn) as pool:
             histories = list(pool.map(train_in_process, runs, resumes, [threads] * len(runs)))
-    evals = {label: [] for label in changes}
-    for label, history in zip([label for label in changes for _ in seeds], histories):
-        evals[label].append([h for h in history if "eval_overall" in h])
+    evals = [[h for h in history if "eval_overall" in h] for history in histories]  # (variants * seeds) runs
+    evals = {label: evals[i * len(seeds):(i + 1) * len(seeds)] for i, label in enumerate(changes)}
     (folder / "comparison.md").write_text(comparison_table(evals, seeds, args))
     plot_comparison(evals, folder / "comparison.png", seeds, args.sweep)
     print((folder / "comparison.md").read_text())
