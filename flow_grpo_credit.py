@@ -88,10 +88,6 @@ def parse_ints(text: str, flag: str, example: str = "1,2,3") -> list[int]:
     except ValueError:
         raise UsageError(f"{flag} must be integers like {example}, got {text!r}") from None
 
-def mean_over_dims(x: torch.Tensor) -> torch.Tensor:
-    """(B, ...) -> (B,): the reduction every official code uses for log-probs."""
-    return x.flatten(1).mean(1)
-
 def segment_mean(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-id means of values (N,) -> (means (K,) in sorted id order, inverse (N,)); means[inverse] is each value's."""
     uniq, inverse = torch.unique(ids.cpu(), return_inverse=True)
@@ -380,7 +376,6 @@ class Policy:
 
     @property
     def passes(self) -> int:
-        """Forward passes of one denoising step (2 with CFG)."""
         return 1 if self.cfg == 1.0 else 2
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
@@ -441,7 +436,6 @@ class ToyPolicy(Policy):
         self.cfg = guidance or 1.0
         self.empty = self.encode([""])
 
-    @torch.no_grad()
     def encode(self, prompts: list[str]) -> dict:
         ids = self.tokenizer(prompts, padding="max_length", truncation=True, return_tensors="pt").input_ids
         return {"encoder_hidden_states": self.text_encoder(ids.to(self.device)).last_hidden_state}  # (B, L, 64)
@@ -609,8 +603,7 @@ def toy_reward(images: torch.Tensor, metas: list[dict]) -> torch.Tensor:
     return score_batch(images, metas)["dense"]
 
 def toy_strict_reward(images: torch.Tensor, metas: list[dict], penalty: float) -> torch.Tensor:
-    """The default toy reward (Deviation 1): r = dense - penalty * extra, with extra the objects beyond
-    those the prompt asks for, so that drawing more shapes than asked never pays."""
+    """The default toy reward (Deviation 1): r = dense - penalty * extra, so more shapes than asked never pay."""
     scores = score_batch(images, metas)
     return scores["dense"] - penalty * scores["extra"]
 
@@ -630,7 +623,6 @@ def clip_reward(kind: str, model: str, device):
     size = clip.config.vision_config.image_size  # the processor's crop size
     mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in (ip.image_mean, ip.image_std))
 
-    @torch.no_grad()
     def score(images: torch.Tensor, metas: list[dict]) -> torch.Tensor:
         pixels = F.interpolate(images.float().to(device), size=(size, size), mode="bicubic", antialias=True)
         text = tok([m["prompt"] for m in metas], padding=True, truncation=True, return_tensors="pt",
@@ -644,10 +636,9 @@ def clip_reward(kind: str, model: str, device):
 def parse_reward(spec: str) -> list[tuple[str, float]]:
     """'pickscore:0.7,clip:0.3' -> [('pickscore', 0.7), ('clip', 0.3)]; a bare name weighs 1."""
     terms = [part.strip().partition(":") for part in spec.split(",")]  # (name, ":", weight)
-    for name, _, _ in terms:
-        if name not in REWARD_NAMES:
-            raise UsageError(f"--reward {spec!r}: unknown reward {name!r}; choose {', '.join(REWARD_NAMES)} "
-                             "or a sum like pickscore:0.7,clip:0.3")
+    if unknown := [name for name, _, _ in terms if name not in REWARD_NAMES]:
+        raise UsageError(f"--reward {spec!r}: unknown reward {unknown[0]!r}; choose {', '.join(REWARD_NAMES)} "
+                         "or a sum like pickscore:0.7,clip:0.3")
     try:
         return [(name, float(weight or 1)) for name, _, weight in terms]
     except ValueError:
@@ -706,13 +697,13 @@ def sde_step(x, v, t, t_next, *, kind="flow", noise_level=None, noise=None, prev
         prev_sample = mean + std * noise.to(x.device).float()
     prev_sample, safe_std = prev_sample.detach().float(), torch.where(std > 0, std, torch.ones_like(std))
     log_density = -((prev_sample - mean) ** 2) / (2 * safe_std**2) - torch.log(safe_std) - 0.5 * math.log(2 * math.pi)
-    log_prob = torch.where(std.flatten() > 0, mean_over_dims(log_density), torch.zeros_like(std.flatten()))
+    log_prob = torch.where(std.flatten() > 0, log_density.flatten(1).mean(1), torch.zeros_like(std.flatten()))
     return prev_sample, log_prob, mean, std.flatten()
 
 def gaussian_kl(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """KL at equal stds, mean_d (mu - mu_ref)^2 / (2 s^2) -> (B,): Flow-GRPO's Eq. 10 per dimension (Deviation 2)."""
     safe = torch.where(std > 0, std, torch.ones_like(std)).reshape(-1, *([1] * (mean.dim() - 1)))
-    return mean_over_dims((mean - mean_ref) ** 2 / (2 * safe**2)) * (std > 0)
+    return ((mean - mean_ref) ** 2 / (2 * safe**2)).flatten(1).mean(1) * (std > 0)
 
 def time_grid(steps: int, shift: float = 1.0) -> torch.Tensor:
     """(steps + 1,) times from 1 to 0 as diffusers' FlowMatchEulerDiscreteScheduler sets them."""
@@ -1134,7 +1125,6 @@ def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Gene
         stats, trained = stats + accumulate_gradients(policy, cond, mb, args), trained + len(mb)
         norms.append(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
         if not torch.isfinite(norms[-1]):  # DDP's average carries a NaN to every rank: all skip together
-            opt.zero_grad(set_to_none=True)
             stats = [{"skipped": torch.ones(())}]
             break
         opt.step()
