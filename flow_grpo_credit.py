@@ -1141,16 +1141,15 @@ def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Gene
 
 def add_lora(policy, args: Args) -> list[torch.nn.Parameter]:
     """LoRA through peft on the denoiser (diffusers' add_adapter); the base weights are frozen."""
+    from diffusers.training_utils import cast_training_params
     from peft import LoraConfig
     torch.manual_seed(stable_seed(args.seed, "lora"))
     policy.net.requires_grad_(False)
     rank, alpha = args.lora_rank or policy.lora_defaults[0], args.lora_alpha or policy.lora_defaults[1]
     policy.net.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian",
                                       target_modules=policy.lora_targets))
-    params = [p for p in policy.net.parameters() if p.requires_grad]
-    for p in params:  # the adapter trains in fp32 even on a bf16 model
-        p.data = p.data.float()
-    return params
+    cast_training_params(policy.net)  # the adapter trains in fp32 even on a bf16 model
+    return [p for p in policy.net.parameters() if p.requires_grad]
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -1168,9 +1167,8 @@ RULES = {  # what a valid value of each flag is, and how to tell
     "> 0": (["lr", "clip_range", "max_grad_norm", "resolution"], lambda v: v > 0),
     ">= 0": (["micro_batch", "noise_level", "extra_penalty", "beta", "lora_rank", "lora_alpha", "branch_steps",
               "benchmark", "peak_tflops"], lambda v: v >= 0),
-    ">= 1": (["prompts_per_iter", "eval_steps", "eval_every", "eval_per_tag", "inner_updates", "seeds", "jobs",
-              "tweedie_substeps", "num_chunks", "pretrain_steps", "checkpoint_every", "max_nonfinite"],
-             lambda v: v >= 1),
+    ">= 1": (["prompts_per_iter", "eval_steps", "eval_every", "eval_per_tag", "inner_updates", "tweedie_substeps",
+              "seeds", "num_chunks", "pretrain_steps", "checkpoint_every", "max_nonfinite", "jobs"], lambda v: v >= 1),
     "0 or >= 1": (["guidance"], lambda v: v == 0 or v >= 1),
     "in [0, 1)": (["ema"], lambda v: 0 <= v < 1),
     "in [0, 1]": (["pretrain_detailed"], lambda v: 0 <= v <= 1),
@@ -1201,12 +1199,10 @@ def validate(args: Args) -> None:
     resolve_device(args.device)
 
 def prompt_sets(args: Args) -> tuple[list[dict] | None, list[dict]]:
-    """(training prompts, held-out prompts): the toy generator (None) and toy-GenEval's fixed set, or
-    --prompts FILE with every 10th line held out."""
+    """(training, held-out) prompts: the toy generator (None) and toy-GenEval's, or --prompts, every 10th held out."""
     if not args.prompts:
         return None, eval_prompts(args.eval_per_tag)
-    metas = [{"tag": "prompt", "prompt": line.strip()} for line in Path(args.prompts).read_text().splitlines()
-             if line.strip()]
+    metas = [{"tag": "prompt", "prompt": p} for p in map(str.strip, Path(args.prompts).read_text().splitlines()) if p]
     if len(metas) < 2:
         raise UsageError(f"--prompts {args.prompts}: needs at least 2 prompts (one a line); it has {len(metas)}")
     return [m for i, m in enumerate(metas) if i % 10], metas[::10]
@@ -1255,8 +1251,7 @@ def iteration_context(args: Args, s: Setup, it: int, meter: Meter, dist: Dist = 
 
 def train(args: Args, resume: str | None = None) -> list[dict]:
     """GRPO with the chosen credit assignment -> the metric records (also in metrics.jsonl). `resume`, a run
-    folder, continues from its checkpoint. Under torchrun every rank samples group_size / N members of
-    each group, DDP averages gradients, rank 0 evaluates and writes."""
+    folder, continues from its checkpoint. Under torchrun DDP averages gradients, rank 0 evaluates and writes."""
     from diffusers.training_utils import EMAModel
     validate(args)
     args = dataclasses.replace(args, iterations=args.iterations or DEFAULT_ITERATIONS[args.method])
@@ -1264,23 +1259,24 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
     if args.group_size % dist.world:
         raise UsageError(f"--group-size {args.group_size} must be a multiple of the {dist.world} ranks")
     writer, s = dist.rank == 0, setup(args, dist)
-    run = Path(resume) if resume else make_run_dir(args) if writer else None  # after loading: no empty folders
+    run = Path(resume or Path(args.out) / f"{args.method}-seed{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if writer and not resume:  # made after loading: a model that fails to load leaves no empty folder
+        try:
+            run.mkdir(parents=True)
+        except OSError as e:
+            raise UsageError(f"--out {args.out!r}: cannot create the run folder {run} ({e.strerror or e})") from None
     ema = EMAModel(s.params, decay=args.ema)  # Flow-GRPO's warm-up, min((1+n)/(10+n), decay); evaluated and saved
-    meter, history, wall, start_it, bad_in_row = Meter(), [], 0.0, 1, 0
-    if resume:
-        state = load_checkpoint(run, s.policy, s.opt, ema)
-        meter, history, wall = Meter(**state["meter"]), state["history"], state["wall"]
-        start_it = state["iteration"] + 1
+    state = load_checkpoint(run, s.policy, s.opt, ema) if resume else {"iteration": 0, "meter": {}, "wall": 0.0}
+    meter, history, wall = Meter(**state["meter"]), state.get("history", []), state["wall"]
+    start_it, bad_in_row = state["iteration"] + 1, 0
     if writer:
         (run / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-        log = (run / "metrics.jsonl").open("w")
-        log.writelines(json.dumps(entry) + "\n" for entry in history)  # a resume drops lines after its checkpoint
+    log = (run / "metrics.jsonl").open("w", buffering=1) if writer else open(os.devnull, "w")  # a line at a time
+    log.writelines(json.dumps(entry) + "\n" for entry in history)  # a resume drops lines after its checkpoint
 
     def record(entry: dict) -> None:
         history.append(entry)
-        if writer:
-            log.write(json.dumps(entry) + "\n")
-            log.flush()
+        log.write(json.dumps(entry) + "\n")
 
     def run_eval(iteration: int) -> None:
         nfe = int(dist.reduce(meter.nfe))
@@ -1319,8 +1315,8 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
         if (it % args.checkpoint_every == 0 or it == args.iterations) and not bad_in_row and writer:
             save_checkpoint(run, s.policy, s.opt, ema, {"iteration": it, "meter": dataclasses.asdict(meter),
                                                         "wall": wall, "history": history})
+    log.close()
     if writer:
-        log.close()
         with ema_applied(ema, s.params):
             s.policy.save_lora(run / "lora")
         plot_curves(history, run / "reward_curve.png", args.method)
@@ -1358,14 +1354,6 @@ def ema_applied(ema, params: list):
     finally:
         ema.restore(params)
 
-def make_run_dir(args: Args) -> Path:
-    run = Path(args.out) / f"{args.method}-seed{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
-    try:
-        run.mkdir(parents=True, exist_ok=False)
-    except OSError as e:
-        raise UsageError(f"--out {args.out!r}: cannot create the run folder {run} ({e.strerror or e})") from None
-    return run
-
 def save_checkpoint(run: Path, policy, opt, ema, state: dict) -> None:
     """Adapter, moving average, optimizer, RNG state and progress, written atomically."""
     from peft.utils import get_peft_model_state_dict
@@ -1392,9 +1380,8 @@ def load_checkpoint(run: Path, policy, opt, ema) -> dict:
 
 @torch.no_grad()
 def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None):
-    """Deterministic evaluation: fixed prompts and noise, `eval_steps` ODE steps -> (metrics, images,
-    metas, toy scores or None). eval_overall is toy-GenEval (the mean of six category accuracies) or
-    the mean held-out reward; eval_se its standard error; eval_strict, eval_extra the strict metrics."""
+    """Deterministic (fixed prompts and noise, `eval_steps` ODE steps) -> (metrics, images, metas, toy scores or None).
+    eval_overall: toy-GenEval (the mean of six category accuracies) or the mean held-out reward, ± eval_se (s.e.)."""
     metas = metas or eval_prompts(args.eval_per_tag)
     grid, noise = policy.time_grid(args.eval_steps), initial_noise(policy, len(metas), generator("eval-noise"))
     images, rewards = [], []
@@ -1420,12 +1407,11 @@ def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None
 
 def save_grid(images: torch.Tensor, metas: list[dict], scores: dict | None, path: Path, title: str,
               per_row: int = 6) -> None:
-    """A labelled PNG: toy, a row per category with GenEval's verdict (✓/✗, +n extra objects);
-    real models, three rows of held-out prompts."""
+    """A PNG: a row per toy category with GenEval's verdict (✓/✗, +n extra objects), or up to six of prompts."""
     from matplotlib.figure import Figure
     groups = [m["tag"] if scores else f"prompts {i // per_row * per_row + 1}-" for i, m in enumerate(metas)]
     rows = {name: [i for i, g in enumerate(groups) if g == name][:per_row] for name in list(dict.fromkeys(groups))[:6]}
-    fig = Figure(figsize=(per_row * 1.6, len(rows) * 1.9))
+    fig = Figure(figsize=(per_row * 1.6, len(rows) * 1.9), layout="tight")
     axes = fig.subplots(len(rows), per_row, squeeze=False)
     for (name, idx), row in zip(rows.items(), axes):
         row[0].text(-0.1, 0.5, name, transform=row[0].transAxes, rotation=90, va="center", ha="right", fontsize=7)
@@ -1438,20 +1424,18 @@ def save_grid(images: torch.Tensor, metas: list[dict], scores: dict | None, path
             colour = {None: "black", True: "green", False: "red"}[ok]
             ax.set_title(textwrap.fill(mark + metas[i]["prompt"], 24)[:80], fontsize=6, color=colour)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 def line_plots(panels: list[tuple[str, str, dict]], path: Path) -> None:
     """A PNG with one panel per (x label, y label, {label: (xs, ys)})."""
     from matplotlib.figure import Figure
-    fig = Figure(figsize=(4.4 * len(panels), 3.3))
+    fig = Figure(figsize=(4.4 * len(panels), 3.3), layout="tight")
     for ax, (xlabel, ylabel, lines) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
         for label, (xs, ys) in lines.items():
             ax.plot(xs, ys, marker="o", ms=3, label=label)
         ax.set(xlabel=xlabel, ylabel=ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 SCORES = ("eval_overall", "eval_strict", "eval_extra")  # the held-out scores plotted (the last two: toy only)
@@ -1459,9 +1443,8 @@ SCORES = ("eval_overall", "eval_strict", "eval_extra")  # the held-out scores pl
 def plot_curves(history: list[dict], path: Path, label: str) -> None:
     """Training reward, and the held-out scores, against iterations."""
     train, evals = [h for h in history if "reward_mean" in h], [h for h in history if "eval_overall" in h]
-    keys = [k for k in SCORES if k in evals[0]]
     reward = {label: ([h["iteration"] for h in train], [h["reward_mean"] for h in train])}
-    scores = {k: ([h["iteration"] for h in evals], [h[k] for h in evals]) for k in keys}
+    scores = {k: ([h["iteration"] for h in evals], [h[k] for h in evals]) for k in SCORES if k in evals[0]}
     line_plots([("iteration", "training reward", reward), ("iteration", "held-out score (ODE)", scores)], path)
 
 def variants(args: Args) -> dict[str, dict]:
@@ -1469,26 +1452,22 @@ def variants(args: Args) -> dict[str, dict]:
     name, _, values = args.sweep.partition("=")
     if not name:
         return {m: {"method": m} for m in (CREDIT_ASSIGNMENT if args.method == "all" else args.method.split(","))}
-    kind = type(getattr(args, name, None))
+    kind = {int: int, float: float}.get(type(getattr(args, name, None)))  # None: not a numeric flag
     try:
-        if kind not in (int, float) or not values:
-            raise ValueError
         return {f"{name}={v}": {name: kind(v)} for v in values.split(",")}
-    except ValueError:
-        raise UsageError(f"--sweep must name a numeric flag and its values, like beta=0,0.02,0.2; got {args.sweep!r}") \
-            from None
+    except (TypeError, ValueError):
+        raise UsageError(f"--sweep must name a numeric flag and values, like beta=0,0.2; got {args.sweep!r}") from None
 
 def compare(args: Args, folder: str | None = None) -> Path:
     """`--method all` (or a list, several --compare-seeds, or --sweep): every variant with the same seeds,
     `--jobs` at a time -> comparison.md and .png. `--resume` continues every run."""
     seeds, changes = parse_ints(args.compare_seeds, "--compare-seeds"), variants(args)
     folder = Path(folder) if folder else Path(args.out) / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
-    runs = []  # each run's args: its args.json then says one run
-    for label, change in changes.items():
+    for change in changes.values():  # every variant's flags, before the first run starts
         validate(dataclasses.replace(args, **change, sweep=""))
-        out = str(folder / label if args.sweep else folder)
-        runs += [dataclasses.replace(args, **change, seed=seed, compare_seeds=str(seed), sweep="", jobs=1, out=out)
-                 for seed in seeds]
+    runs = [dataclasses.replace(args, **change, seed=seed, compare_seeds=str(seed), sweep="", jobs=1,
+                                out=str(folder / label if args.sweep else folder))  # its args.json says one run
+            for label, change in changes.items() for seed in seeds]
     started = [sorted(Path(a.out).glob(f"{a.method}-seed{a.seed}-*/checkpoint.pt")) for a in runs]
     resumes = [str(found[-1].parent) if found else None for found in started]  # what --resume continues
     folder.mkdir(parents=True, exist_ok=True)
@@ -1497,11 +1476,10 @@ def compare(args: Args, folder: str | None = None) -> Path:
         histories = [train(a, r) for a, r in zip(runs, resumes)]
     else:
         import concurrent.futures
-        import multiprocessing
         if args.model == "toy":
             load_toy(args, torch.device("cpu"))  # pretrain once here, not in every worker at once
         print(f"{len(runs)} runs, {args.jobs} at a time; progress is in {folder}/**/metrics.jsonl")
-        spawn, threads = multiprocessing.get_context("spawn"), max(1, torch.get_num_threads() // args.jobs)
+        spawn, threads = torch.multiprocessing.get_context("spawn"), max(1, torch.get_num_threads() // args.jobs)
         with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=spawn) as pool:
             histories = list(pool.map(train_in_process, runs, resumes, [threads] * len(runs)))
     evals = [[h for h in history if "eval_overall" in h] for history in histories]  # (variants * seeds) runs
@@ -1518,8 +1496,7 @@ def train_in_process(args: Args, resume: str | None, threads: int) -> list[dict]
     return train(args, resume)
 
 def comparison_table(evals: dict, seeds: list[int], args: Args) -> str:
-    """comparison.md: per variant, mean ± std over seeds of the held-out scores at the start, the end,
-    and within an equal wall-clock and nfe budget."""
+    """comparison.md: per variant, mean ± std over seeds of held-out scores at start, end, equal wall-clock and nfe."""
     last = [run[-1] for runs in evals.values() for run in runs]
     budgets = {"wall_s": min(e["wall_s"] for e in last), "nfe": min(e["nfe"] for e in last)}
 
@@ -1568,8 +1545,7 @@ def plot_comparison(evals: dict, path: Path, seeds: list[int], sweep: str = "") 
             panels.append((flag, names[k], lines))
         line_plots(panels, path)
         return
-    panels = [("iteration", "eval_overall"), ("wall_s", "eval_overall"), ("nfe", "eval_overall")]
-    panels += [("iteration", k) for k in keys[1:]]
+    panels = [(x, "eval_overall") for x in ("iteration", "wall_s", "nfe")] + [("iteration", k) for k in keys[1:]]
     line_plots([(names.get(x, x), names[y], {label: (mean(runs, x), mean(runs, y)) for label, runs in evals.items()})
                 for x, y in panels], path)
 
@@ -1607,8 +1583,7 @@ def benchmark(args: Args) -> dict:
             spent["sample" + unit] -= spent["reward" + unit]
         return spent | {"passes": ctx.meter.nfe, "images": ctx.meter.reward_calls, "transitions": trained}
 
-    if args.low_memory:  # counted without checkpointing, one transition at a time to stay within memory
-        s.policy.net.disable_gradient_checkpointing()
+    s.policy.net.disable_gradient_checkpointing()  # counted without checkpointing (--low-memory: one sample a pass)
     with counter:
         counted = iteration(0, dataclasses.replace(args, micro_batch=1) if args.low_memory else args)
     if args.low_memory:
