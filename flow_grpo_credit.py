@@ -202,10 +202,8 @@ class Args:
     checkpoint_every: int = 10  # write checkpoint.pt every N iterations (and at the end); --resume RUN_DIR continues
     max_nonfinite: int = 3  # stop after this many iterations in a row with non-finite rewards, advantages or loss
     compare_seeds: str = "0"  # with --method all (or a list a,b): the seeds every method runs with, e.g. 0,1,2
-    sweep: str = ""  # compare values of one numeric flag instead of methods, e.g. beta=0,0.02,0.2
     jobs: int = 1  # with several runs: how many run at once, in processes that share the CPU threads
-    benchmark: int = 0  # time N iterations (after one that counts FLOPs): seconds per phase, memory and MFU
-    peak_tflops: float = 0.0  # bf16 peak of the accelerator for --benchmark's MFU (0: known for H100, H200, A100)
+    benchmark: int = 0  # time N iterations (after a warm-up one): seconds per phase, images per second, memory
 
     @property
     def sde_level(self) -> float:
@@ -1166,7 +1164,7 @@ RULES = {  # what a valid value of each flag is, and how to tell
     ">= 3": (["steps"], lambda v: v >= 3),
     "> 0": (["lr", "clip_range", "max_grad_norm", "resolution"], lambda v: v > 0),
     ">= 0": (["micro_batch", "noise_level", "extra_penalty", "beta", "lora_rank", "lora_alpha", "branch_steps",
-              "benchmark", "peak_tflops"], lambda v: v >= 0),
+              "benchmark"], lambda v: v >= 0),
     ">= 1": (["prompts_per_iter", "eval_steps", "eval_every", "eval_per_tag", "inner_updates", "tweedie_substeps",
               "seeds", "num_chunks", "pretrain_steps", "checkpoint_every", "max_nonfinite", "jobs"], lambda v: v >= 1),
     "0 or >= 1": (["guidance"], lambda v: v == 0 or v >= 1),
@@ -1355,10 +1353,10 @@ def ema_applied(ema, params: list):
         ema.restore(params)
 
 def save_checkpoint(run: Path, policy, opt, ema, state: dict) -> None:
-    """Adapter, moving average, optimizer, RNG state and progress, written atomically."""
+    """Adapter, moving average, optimizer and progress (every draw comes from seeded generators), atomically."""
     from peft.utils import get_peft_model_state_dict
     torch.save({"lora": get_peft_model_state_dict(policy.net), "optimizer": opt.state_dict(), "ema": ema.state_dict(),
-                "torch_rng": torch.get_rng_state(), **state}, run / "checkpoint.pt.tmp")
+                **state}, run / "checkpoint.pt.tmp")
     os.replace(run / "checkpoint.pt.tmp", run / "checkpoint.pt")
 
 def load_checkpoint(run: Path, policy, opt, ema) -> dict:
@@ -1371,7 +1369,6 @@ def load_checkpoint(run: Path, policy, opt, ema) -> dict:
     opt.load_state_dict(state["optimizer"])
     ema.load_state_dict(state["ema"])
     ema.to(next(policy.net.parameters()).device)
-    torch.set_rng_state(state["torch_rng"])
     return state
 
 
@@ -1447,27 +1444,16 @@ def plot_curves(history: list[dict], path: Path, label: str) -> None:
     scores = {k: ([h["iteration"] for h in evals], [h[k] for h in evals]) for k in SCORES if k in evals[0]}
     line_plots([("iteration", "training reward", reward), ("iteration", "held-out score (ODE)", scores)], path)
 
-def variants(args: Args) -> dict[str, dict]:
-    """A comparison's runs by label, as changes to `args`: a method each, or a --sweep value each."""
-    name, _, values = args.sweep.partition("=")
-    if not name:
-        return {m: {"method": m} for m in (CREDIT_ASSIGNMENT if args.method == "all" else args.method.split(","))}
-    kind = {int: int, float: float}.get(type(getattr(args, name, None)))  # None: not a numeric flag
-    try:
-        return {f"{name}={v}": {name: kind(v)} for v in values.split(",")}
-    except (TypeError, ValueError):
-        raise UsageError(f"--sweep must name a numeric flag and values, like beta=0,0.2; got {args.sweep!r}") from None
-
 def compare(args: Args, folder: str | None = None) -> Path:
-    """`--method all` (or a list, several --compare-seeds, or --sweep): every variant with the same seeds,
-    `--jobs` at a time -> comparison.md and .png. `--resume` continues every run."""
-    seeds, changes = parse_ints(args.compare_seeds, "--compare-seeds"), variants(args)
+    """`--method all` (or a list a,b, or several --compare-seeds): every method with the same seeds, `--jobs` at
+    a time -> comparison.md and .png. `--resume` continues every run."""
+    seeds = parse_ints(args.compare_seeds, "--compare-seeds")
+    methods = list(CREDIT_ASSIGNMENT) if args.method == "all" else args.method.split(",")
     folder = Path(folder) if folder else Path(args.out) / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
-    for change in changes.values():  # every variant's flags, before the first run starts
-        validate(dataclasses.replace(args, **change, sweep=""))
-    runs = [dataclasses.replace(args, **change, seed=seed, compare_seeds=str(seed), sweep="", jobs=1,
-                                out=str(folder / label if args.sweep else folder))  # its args.json says one run
-            for label, change in changes.items() for seed in seeds]
+    for m in methods:  # every method's flags, before the first run starts
+        validate(dataclasses.replace(args, method=m))
+    runs = [dataclasses.replace(args, method=m, seed=seed, compare_seeds=str(seed), jobs=1, out=str(folder))
+            for m in methods for seed in seeds]  # each run's args.json says one run
     started = [sorted(Path(a.out).glob(f"{a.method}-seed{a.seed}-*/checkpoint.pt")) for a in runs]
     resumes = [str(found[-1].parent) if found else None for found in started]  # what --resume continues
     folder.mkdir(parents=True, exist_ok=True)
@@ -1482,10 +1468,10 @@ def compare(args: Args, folder: str | None = None) -> Path:
         spawn, threads = torch.multiprocessing.get_context("spawn"), max(1, torch.get_num_threads() // args.jobs)
         with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=spawn) as pool:
             histories = list(pool.map(train_in_process, runs, resumes, [threads] * len(runs)))
-    evals = [[h for h in history if "eval_overall" in h] for history in histories]  # (variants * seeds) runs
-    evals = {label: evals[i * len(seeds):(i + 1) * len(seeds)] for i, label in enumerate(changes)}
+    evals = [[h for h in history if "eval_overall" in h] for history in histories]  # (methods * seeds) runs
+    evals = {m: evals[i * len(seeds):(i + 1) * len(seeds)] for i, m in enumerate(methods)}
     (folder / "comparison.md").write_text(comparison_table(evals, seeds, args))
-    plot_comparison(evals, folder / "comparison.png", seeds, args.sweep)
+    plot_comparison(evals, folder / "comparison.png")
     print((folder / "comparison.md").read_text())
     return folder
 
@@ -1496,7 +1482,7 @@ def train_in_process(args: Args, resume: str | None, threads: int) -> list[dict]
     return train(args, resume)
 
 def comparison_table(evals: dict, seeds: list[int], args: Args) -> str:
-    """comparison.md: per variant, mean ± std over seeds of held-out scores at start, end, equal wall-clock and nfe."""
+    """comparison.md: per method, mean ± std over seeds of held-out scores at start, end, equal wall-clock and nfe."""
     last = [run[-1] for runs in evals.values() for run in runs]
     budgets = {"wall_s": min(e["wall_s"] for e in last), "nfe": min(e["nfe"] for e in last)}
 
@@ -1509,8 +1495,7 @@ def comparison_table(evals: dict, seeds: list[int], args: Args) -> str:
     toy = ["eval_strict", "eval_extra"] if "eval_strict" in last[0] else []
     columns = ["base", "final", "gain", *(f"{k[5:]}: base → final" for k in toy), "at equal wall-clock",
                "at equal nfe", "passes per iteration"]
-    label = args.sweep.partition("=")[0] or "method"
-    rows = [f"| {label} | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    rows = ["| method | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for m, runs in evals.items():
         base, final = [run[0] for run in runs], [run[-1] for run in runs]
         cells = [cell([e["eval_overall"] for e in base]), cell([e["eval_overall"] for e in final]),
@@ -1526,92 +1511,59 @@ def comparison_table(evals: dict, seeds: list[int], args: Args) -> str:
             f"of training wall-clock, {budgets['nfe']:.3g} forward passes (the smallest final value of all runs).")
     return note + "\n\n" + "\n".join(rows) + "\n"
 
-def plot_comparison(evals: dict, path: Path, seeds: list[int], sweep: str = "") -> None:
-    """Held-out scores against iteration, wall-clock and nfe; on toy also strict and extra. A --sweep plots
-    the scores against the swept value instead: the base model's, and the final ones of each seed and their mean."""
+def plot_comparison(evals: dict, path: Path) -> None:
+    """Held-out scores against iteration, wall-clock and nfe, the mean over seeds; on toy also strict and extra."""
     def mean(runs, key):
         return np.mean([[e[key] for e in run[: min(map(len, runs))]] for run in runs], 0)
 
     keys = [k for k in SCORES if k in next(iter(evals.values()))[0][0]]
     names = {"wall_s": "training wall-clock (s)", "nfe": "forward passes (nfe)", "eval_overall": "toy-GenEval / reward",
              "eval_strict": "strict score", "eval_extra": "images with extra objects"}
-    if sweep:
-        flag, values = sweep.partition("=")[0], [label.partition("=")[2] for label in evals]  # evenly spaced categories
-        panels = []
-        for k in keys:  # (values, seeds) scores at every run's first and last evaluation
-            base, final = (np.array([[run[i][k] for run in runs] for runs in evals.values()]) for i in (0, -1))
-            lines = {"base model": (values, base.mean(1)), "final, mean": (values, final.mean(1)),
-                     **{f"final, seed {s}": (values, f) for s, f in zip(seeds, final.T)}}
-            panels.append((flag, names[k], lines))
-        line_plots(panels, path)
-        return
     panels = [(x, "eval_overall") for x in ("iteration", "wall_s", "nfe")] + [("iteration", k) for k in keys[1:]]
     line_plots([(names.get(x, x), names[y], {label: (mean(runs, x), mean(runs, y)) for label, runs in evals.items()})
                 for x, y in panels], path)
 
-# Dense bf16 peaks from the vendors' data sheets, by torch.cuda.get_device_name's exact answer.
-BF16_PEAK_TFLOPS = {"NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H100 PCIe": 756.0, "NVIDIA H100 NVL": 835.0,
-                    "NVIDIA H200": 989.0, "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA A100-SXM4-40GB": 312.0,
-                    "NVIDIA A100 80GB PCIe": 312.0, "NVIDIA A100-PCIE-40GB": 312.0}
-
 def benchmark(args: Args) -> dict:
-    """Cost of an iteration by phase: seconds, images per second, peak memory, and the MFU of sampling
-    and training. A first iteration counts FLOPs without gradient checkpointing (recomputation is not
-    work); the next `args.benchmark` are timed. Nothing is written."""
-    from torch.utils.flop_counter import FlopCounterMode
+    """Seconds per phase of `args.benchmark` iterations after an untimed warm-up one, images per second and
+    peak memory. Nothing is written."""
     validate(args)
     dist = Dist(device=resolve_device(args.device))
     s, cuda = setup(args, dist), dist.device.type == "cuda"
-    counter, spent, sync = FlopCounterMode(display=False), {}, torch.cuda.synchronize if cuda else (lambda: None)
+    spent, sync = collections.Counter(), torch.cuda.synchronize if cuda else (lambda: None)
 
-    def timed(phase, fn, *a):  # seconds and FLOPs of one phase
+    def timed(phase, fn, *a):  # fn(*a), its seconds added to spent[phase]
         sync()
-        start, flops = time.perf_counter(), counter.get_total_flops()
+        start = time.perf_counter()
         out = fn(*a)
         sync()
-        spent[phase + "_s"] = spent.get(phase + "_s", 0.0) + time.perf_counter() - start
-        spent[phase + "_flops"] = spent.get(phase + "_flops", 0) + counter.get_total_flops() - flops
+        spent[phase] += time.perf_counter() - start
         return out
 
-    def iteration(it: int, args: Args) -> dict:
+    def iteration(it: int) -> dict:
         spent.clear()
-        ctx = timed("encode", iteration_context, args, s, it, Meter())
-        ctx.reward_fn = lambda images, metas, score=ctx.reward_fn: timed("reward", score, images, metas)
-        transitions, _ = timed("sample", CREDIT_ASSIGNMENT[args.method], ctx)
-        trained = timed("train", update, s.policy, s.opt, ctx.cond, transitions, args, ctx.gen).get("trained", 0)
-        for unit in ("_s", "_flops"):  # the reward ran inside the sampling phase
-            spent["sample" + unit] -= spent["reward" + unit]
-        return spent | {"passes": ctx.meter.nfe, "images": ctx.meter.reward_calls, "transitions": trained}
+        ctx = timed("encode_s", iteration_context, args, s, it, Meter())
+        ctx.reward_fn = lambda images, metas, score=ctx.reward_fn: timed("reward_s", score, images, metas)
+        transitions, _ = timed("sample_s", CREDIT_ASSIGNMENT[args.method], ctx)
+        trained = timed("train_s", update, s.policy, s.opt, ctx.cond, transitions, args, ctx.gen).get("trained", 0)
+        spent["sample_s"] -= spent["reward_s"]  # the reward ran inside the sampling phase
+        return dict(spent) | {"passes": ctx.meter.nfe, "images": ctx.meter.reward_calls, "transitions": trained}
 
-    s.policy.net.disable_gradient_checkpointing()  # counted without checkpointing (--low-memory: one sample a pass)
-    with counter:
-        counted = iteration(0, dataclasses.replace(args, micro_batch=1) if args.low_memory else args)
-    if args.low_memory:
-        s.policy.net.enable_gradient_checkpointing()
-    per = {"pass": counted["sample_flops"] / counted["passes"], "image": counted["reward_flops"] / counted["images"],
-           "transition": counted["train_flops"] / max(1, counted["transitions"])}  # trained transitions only
+    iteration(0)  # warm-up: kernels, allocator and caches
     if cuda:
         torch.cuda.reset_peak_memory_stats(dist.device)
-    runs = [iteration(it, args) for it in tqdm(range(1, args.benchmark + 1), desc="benchmark")]
-    mean = {k: float(np.mean([r[k] for r in runs])) for k in runs[0] if not k.endswith("flops")}
+    runs = [iteration(it) for it in tqdm(range(1, args.benchmark + 1), desc="benchmark")]
+    mean = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
     total = sum(mean[k] for k in ("encode_s", "sample_s", "reward_s", "train_s"))
-    rate = {"sampling": per["pass"] * mean["passes"] / mean["sample_s"],
-            "training": per["transition"] * mean["transitions"] / mean["train_s"]}  # FLOP/s
-    gpu = torch.cuda.get_device_name(dist.device) if cuda else ""
-    peak = args.peak_tflops or BF16_PEAK_TFLOPS.get(gpu, 0.0)
     if cuda:
         memory = {"peak_allocated_gb": torch.cuda.max_memory_allocated(dist.device) / 1e9,
                   "peak_reserved_gb": torch.cuda.max_memory_reserved(dist.device) / 1e9}
     else:  # the process's peak resident memory (Linux reports KiB)
         import resource
         memory = {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
-    result = {"method": args.method, "model": args.model, "device": gpu or "cpu", **mean, "total_s": total,
-              "images_per_s": mean["images"] / total, **memory, "flops_per_pass": per["pass"],
-              "flops_per_image_reward": per["image"], "flops_per_transition": per["transition"],
-              **{f"tflops_{k}": v / 1e12 for k, v in rate.items()},
-              **{f"mfu_{k}": v / (peak * 1e12) if peak else None for k, v in rate.items()}}
-    print("\n".join(f"{k:24} {v:.4g}" if isinstance(v, float) else f"{k:24} {v}" for k, v in result.items()))
-    print("MFU is against the bf16 peak of --peak-tflops or a known GPU" if peak else "MFU: give --peak-tflops")
+    device = torch.cuda.get_device_name(dist.device) if cuda else "cpu"
+    result = {"method": args.method, "model": args.model, "device": device, **mean, "total_s": total,
+              "images_per_s": mean["images"] / total, **memory}
+    print("\n".join(f"{k:18} {v:.4g}" if isinstance(v, float) else f"{k:18} {v}" for k, v in result.items()))
     return result
 
 
@@ -1646,7 +1598,7 @@ def main(argv=None) -> int:
         args, resume = parse_args(argv)
         if args.benchmark and not resume:
             benchmark(args)
-        elif args.method == "all" or "," in args.method or "," in args.compare_seeds or args.sweep:
+        elif args.method == "all" or "," in args.method or "," in args.compare_seeds:
             compare(args, resume)
         else:
             train(args, resume)

@@ -1001,7 +1001,7 @@ def test_saved_lora_loads_into_a_fresh_unet_with_diffusers(tiny_run):
 def test_a_checkpoint_holds_only_data_and_loads_onto_the_cpu(tiny_run):
     """checkpoint.pt loads with weights_only=True (no pickled code), and load_checkpoint maps it to the CPU
     whatever the policy's device: a policy that reports the meta device (with the real CPU net) gets its
-    adapter, optimizer state, moving average and the torch RNG state back."""
+    adapter, optimizer state and moving average back."""
     from diffusers.training_utils import EMAModel
     from peft.utils import get_peft_model_state_dict
 
@@ -1012,10 +1012,8 @@ def test_a_checkpoint_holds_only_data_and_loads_onto_the_cpu(tiny_run):
     params = fgc.add_lora(real, args)
     opt, ema = torch.optim.AdamW(params, lr=args.lr), EMAModel(params, decay=args.ema)
     policy = types.SimpleNamespace(device=torch.device("meta"), net=real.net, denoiser=real.net)
-    torch.manual_seed(1234)
-    assert not torch.equal(torch.get_rng_state(), saved["torch_rng"])
     state = fgc.load_checkpoint(run, policy, opt, ema)
-    assert state["iteration"] == 2 and torch.equal(torch.get_rng_state(), saved["torch_rng"])
+    assert state["iteration"] == 2
     lora = get_peft_model_state_dict(real.net)
     assert lora.keys() == saved["lora"].keys() and all(torch.equal(lora[k], saved["lora"][k]) for k in lora)
     assert all(s.device.type == "cpu" for s in ema.shadow_params) and ema.optimization_step == 2
@@ -1099,56 +1097,18 @@ torch.distributed.destroy_process_group()  # gloo aborts at exit without it, now
     assert zero_std[0] == zero_std[1] == torch.cat(whole.stats["zero_std"]).tolist() == [False] * 4
 
 
-@pytest.fixture(scope="session")
-def toy_benchmark(tiny_cache):
-    """(args, --benchmark result, the adapted policy) of the tiny toy model, 2 prompts x group 3, where the
-    first prompt's group gets equal rewards (so update() trains the other group's transitions only)."""
-    args = tiny_args(tiny_cache, "unused", benchmark=1, group_size=3, device="cpu")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fgc, "toy_strict_reward", first_group_flat)
-        result = fgc.benchmark(args)
-    policy = fgc.load_policy(args, torch.device("cpu"))
-    fgc.add_lora(policy, args)
-    return args, result, policy
-
-
-def counted_flops(fn, *a) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    with counter:
-        fn(*a)
-    return counter.get_total_flops()
-
-
-def test_benchmark_counts_flops_per_forward_pass_consistently_with_nfe(toy_benchmark):
-    """--benchmark counts FLOPs for a whole iteration and divides by the nfe it counted: that must be
-    the FLOPs of one single-image forward pass of the same adapted model, measured on its own."""
-    _, result, policy = toy_benchmark
-    cond = policy.encode(["a red circle"])
-    with torch.no_grad():
-        one_pass = counted_flops(policy.velocity, torch.randn(1, 3, fgc.RES, fgc.RES), torch.tensor([0.5]), cond)
-    assert one_pass > 0 and result["flops_per_pass"] == pytest.approx(one_pass, rel=1e-6)
+def test_benchmark_counts_the_work_of_one_iteration_and_splits_its_time_into_phases(tiny_cache, monkeypatch):
+    """--benchmark times one iteration after a warm-up: its counts are those of one iteration of the method
+    (passes, images, and the transitions update() trained: one group had equal rewards, so only the other's),
+    the reward's seconds are taken out of sampling's, and the phases add up to the total."""
+    monkeypatch.setattr(fgc, "toy_strict_reward", first_group_flat)
+    result = fgc.benchmark(tiny_args(tiny_cache, "unused", benchmark=1, group_size=3, device="cpu"))
     assert result["images"] == 2 * 3 and result["passes"] == 2 * 3 * 4, "2 prompts x group 3, 4 SDE steps"
-    assert result["flops_per_transition"] > 0 and result["flops_per_image_reward"] == 0, "the toy scorer is numpy"
-    assert result["mfu_sampling"] is None and result["peak_rss_gb"] > 0, "no known peak on a CPU"
-    phases = ("encode_s", "sample_s", "reward_s", "train_s")
-    assert result["total_s"] == pytest.approx(sum(result[k] for k in phases))
-
-
-def test_benchmark_training_flops_per_transition_are_those_of_one_trained_transition(toy_benchmark):
-    """flops_per_transition is the forward + backward of one trained transition, measured on its own; the
-    benchmark's iteration trained half of its transitions (one group had equal rewards), and counts those."""
-    args, result, policy = toy_benchmark
     assert result["transitions"] == 3 * 3, "the group with a spread: 3 trajectories x 3 trained steps"
-    one = fgc.Transitions(x=torch.randn(1, 3, fgc.RES, fgc.RES), x_next=torch.randn(1, 3, fgc.RES, fgc.RES),
-                          t=torch.tensor([0.75]), t_next=torch.tensor([0.5]), log_prob=torch.zeros(1),
-                          std=torch.ones(1), advantage=torch.ones(1), weight=torch.ones(1),
-                          prompt=torch.zeros(1, dtype=torch.long), chunk=torch.zeros(1, dtype=torch.long),
-                          step=torch.zeros(1, dtype=torch.long))
-    trained = counted_flops(fgc.accumulate_gradients, policy, policy.encode(["a red circle"]), one, args)
-    assert trained > 2 * result["flops_per_pass"]
-    assert result["flops_per_transition"] == pytest.approx(trained, rel=1e-6)
+    phases = ("encode_s", "sample_s", "reward_s", "train_s")
+    assert all(result[k] > 0 for k in phases) and result["peak_rss_gb"] > 0
+    assert result["total_s"] == pytest.approx(sum(result[k] for k in phases))
+    assert result["images_per_s"] == pytest.approx(result["images"] / result["total_s"])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1339,37 +1299,15 @@ def test_a_resolution_the_model_cannot_hold_is_a_one_line_usage_error(tiny_real,
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir()), "no run folder is left"
 
 
-def test_benchmark_of_a_real_pipeline_counts_cfg_passes_and_the_flops_of_each_phase(tiny_real):
-    """--benchmark on the tiny SD3 (real CFG: two forward passes a step): counts of passes, images and
-    transitions, and FLOPs per pass = one transformer pass plus its share of the VAE decoding, both
-    measured on their own (sampling decodes the final latents before the reward scores them)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    args = real_args(tiny_real, "unused", benchmark=1, device="cpu")
-    result = fgc.benchmark(args)
+def test_benchmark_of_a_real_pipeline_counts_cfg_passes(tiny_real):
+    """--benchmark on the tiny SD3 (real CFG: two forward passes a step): counts of passes, images and trained
+    transitions of one iteration, the CPU's peak memory (no CUDA figures) and every phase's seconds."""
+    result = fgc.benchmark(real_args(tiny_real, "unused", benchmark=1, device="cpu"))
     images, passes = 2 * 2, 2 * 2 * 4 * 2
     assert result["images"] == images and result["passes"] == passes, "2 prompts x group 2, 4 steps, 2 passes"
     assert result["transitions"] == images * 3
-    policy = fgc.load_policy(args, torch.device("cpu"))
-    fgc.add_lora(policy, args)
-    cond = policy.encode(["a photo of a cat"])
-
-    def flops(fn, *a):
-        counter = FlopCounterMode(display=False)
-        with counter, torch.no_grad():
-            fn(*a)
-        return counter.get_total_flops()
-
-    x = torch.randn(policy.latent_shape(1))
-    forward, decode = flops(policy.forward, x, torch.tensor([0.5]), cond), flops(policy.decode, x)
-    assert forward > 0 and decode > 0
-    assert result["flops_per_pass"] == pytest.approx(forward + decode * images / passes, rel=1e-6)
-    assert result["flops_per_image_reward"] > 0 and result["flops_per_transition"] > 2 * forward
-    assert result["mfu_training"] is None and result["peak_rss_gb"] > 0 and "peak_allocated_gb" not in result
-    keys = {"encode_s", "sample_s", "reward_s", "train_s", "passes", "images", "transitions", "total_s",
-            "images_per_s", "peak_rss_gb", "flops_per_pass", "flops_per_image_reward", "flops_per_transition",
-            "tflops_sampling", "tflops_training", "mfu_sampling", "mfu_training"}
-    assert keys <= result.keys()
+    assert result["peak_rss_gb"] > 0 and "peak_allocated_gb" not in result
+    assert all(result[k] > 0 for k in ("encode_s", "sample_s", "reward_s", "train_s", "images_per_s"))
 
 
 def test_clip_rewards_follow_their_formulas_and_weighted_sums_add(tiny_real):
@@ -1492,32 +1430,6 @@ def test_method_all_writes_a_table_scored_within_equal_budgets(tiny_cache, tmp_p
         base, last = [e[0][key] for e in stepwise], [e[-1][key] for e in stepwise]
         assert row[column] == f"{np.mean(base):.3f} → {np.mean(last):.3f} ± {np.std(last):.3f}"
     assert row["passes per iteration"] == f"{np.mean([e[-1]['nfe'] / e[-1]['iteration'] for e in stepwise]):.0f}"
-
-
-def test_sweep_compares_values_of_one_flag_with_a_row_each(tiny_cache, tmp_path, monkeypatch):
-    """--sweep beta=0,0.5 runs every value with the same seed and settings, each under its own folder, and
-    writes a row per value; the KL term is 0 without beta and positive with it; the figure plots each run's
-    final score against its value. A flag that is not numeric is a one-line error."""
-    panels = []
-    monkeypatch.setattr(fgc, "line_plots", lambda drawn, path: panels.extend(drawn))
-    args = tiny_args(tiny_cache, tmp_path, iterations=2, eval_every=1, sweep="beta=0,0.5", lr=1e-2)
-    folder = fgc.compare(args)
-    rows = table_rows((folder / "comparison.md").read_text())
-    assert set(rows) == {"beta=0", "beta=0.5"} and next(iter(rows["beta=0"])) == "beta"
-    kl, finals = {}, []
-    for label in rows:
-        (run,) = (folder / label).iterdir()
-        lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        assert json.loads((run / "args.json").read_text())["beta"] == float(label.split("=")[1])
-        kl[label] = max(h.get("kl", 0.0) for h in lines)
-        finals.append([h for h in lines if "eval_strict" in h][-1]["eval_strict"])
-    assert kl["beta=0"] == 0 and kl["beta=0.5"] > 0
-    against_beta = {y: lines for x, y, lines in panels if x == "beta"}  # (the runs' own curves come first)
-    strict = against_beta["strict score"]
-    assert len(against_beta) == 3 and strict["final, mean"][0] == ["0", "0.5"]
-    assert list(strict["final, mean"][1]) == list(strict["final, seed 0"][1]) == finals
-    with pytest.raises(fgc.UsageError, match="--sweep must name a numeric flag"):
-        fgc.compare(dataclasses.replace(args, sweep="sde=flow,ddim"))
 
 
 def test_parallel_comparison_repeats_each_run_exactly_and_resumes_to_more_iterations(tiny_cache, tmp_path):
