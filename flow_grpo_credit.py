@@ -1454,7 +1454,7 @@ def compare(args: Args, folder: str | None = None) -> Path:
         validate(dataclasses.replace(args, method=m))
     runs = [dataclasses.replace(args, method=m, seed=seed, compare_seeds=str(seed), jobs=1, out=str(folder))
             for m in methods for seed in seeds]  # each run's args.json says one run
-    started = [sorted(Path(a.out).glob(f"{a.method}-seed{a.seed}-*/checkpoint.pt")) for a in runs]
+    started = [sorted(folder.glob(f"{a.method}-seed{a.seed}-*/checkpoint.pt")) for a in runs]
     resumes = [str(found[-1].parent) if found else None for found in started]  # what --resume continues
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
