@@ -36,9 +36,11 @@ Deviations from the papers and official codes, cited as "Deviation n" where the 
     7. TempFlow and G2RPO train `branch_steps` (3) branch points drawn per iteration (TempFlow: all 9,
        G2RPO's code: all 8), and TempFlow uses 2 seeds a prompt (paper: 4), for cost.
     8. G2RPO's continuations reach t = 0 exactly (official code: Tweedie's x0_hat where a coarse grid stops short of 0).
-    9. Chunk-GRPO's automatic chunks split the relative-L1 profile's total variation equally (the paper's v1
-       fixes [2,3,4,7] for its 16 steps from the profile's shape); every chunk is trained by default (paper:
-       2 of 4, `--chunk-fraction 0.5`); the reward scores the final SDE state (official code: x0_hat of the last step).
+    9. Chunk-GRPO's automatic chunks are this project's heuristic: they split the relative-L1 profile's total
+       variation equally (the paper's v1 fixes [2,3,4,7] for its 16 steps from the profile's shape); every chunk is
+       trained by default (paper: 2 of 4, `--chunk-fraction 0.5`); the reward scores the final SDE state (official
+       code: x0_hat of the last step); each image has its own starting noise, as in flow_grpo (paper: one per
+       group), so that chunking is the one difference between the two.
    10. The cps SDE keeps the full Gaussian log-density; the official code drops its constants and 1/(2s^2).
 """
 from __future__ import annotations
@@ -159,13 +161,14 @@ class Args:
     prompts_per_iter: int = 8  # prompts sampled per iteration
     group_size: int = 8  # images (or branches) that share one advantage normalisation
     steps: int = 10  # sampling steps during training (Flow-GRPO's denoising reduction: fewer than eval)
-    eval_steps: int = 20  # ODE steps of the deterministic evaluation
-    eval_every: int = 16  # evaluate every N iterations (and at the start and end)
-    eval_per_tag: int = 64  # held-out evaluation prompts per GenEval category
+    eval_steps: int = 10  # ODE steps of the deterministic evaluation
+    eval_every: int = 32  # evaluate every N iterations (and at the start and end)
+    eval_per_tag: int = 256  # held-out evaluation prompts (each with its own noise) per GenEval category
     out: str = "runs"  # folder that receives one sub-folder per run
     seed: int = 0  # seed of the whole run (prompts, noise, LoRA init)
     device: str = "auto"  # auto, cpu or cuda
-    cache_dir: str = ""  # where the pretrained toy model is cached (default: $XDG_CACHE_HOME/flow_grpo_credit)
+    pretrain: bool = False  # toy: pretrain the base model here (cached) instead of loading the shipped weights
+    cache_dir: str = ""  # where --pretrain caches the toy model (default: $XDG_CACHE_HOME/flow_grpo_credit)
 
     # GRPO and optimisation (Deviation 4)
     lr: float = 1e-3  # AdamW learning rate of the LoRA parameters
@@ -204,6 +207,7 @@ class Args:
     compare_seeds: str = "0"  # with --method all (or a list a,b): the seeds every method runs with, e.g. 0,1,2
     jobs: int = 1  # with several runs: how many run at once, in processes that share the CPU threads
     benchmark: int = 0  # time N iterations (after a warm-up one): seconds per phase, images per second, memory
+    spread: int = 0  # where the image is decided: N prompts a category, G children branching at each step (plot)
 
     @property
     def sde_level(self) -> float:
@@ -444,6 +448,10 @@ class ToyPolicy(Policy):
     def latent_shape(self, n: int) -> tuple:
         return (n, 3, RES, RES)
 
+    def time_grid(self, steps: int) -> torch.Tensor:
+        """SD3.5's grid, shift 3: six of ten steps above t = 0.7, where a 5 x 5 shape is decided (step_spread)."""
+        return time_grid(steps, shift=3.0)
+
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         return ((x.float() + 1) / 2).clamp(0, 1)  # (N, 3, RES, RES) in [0, 1]
 
@@ -474,13 +482,15 @@ def pretrain_toy(args: Args, device) -> dict:
     ema.copy_to(params)
     return {"unet": unet, "text_encoder": text_encoder, "tokenizer": tokenizer}
 
+TOY_BASE = Path(__file__).resolve().parent / "assets" / "toy_base"  # the shipped base: pretrain_toy's output
+
 def load_toy(args: Args, device) -> ToyPolicy:
-    """The pretrained toy model from the cache, pretraining it first if absent."""
+    """The shipped toy base model, or with --pretrain the cached one, pretraining it first if absent."""
     from diffusers import UNet2DConditionModel
     from transformers import CLIPTextModel, PreTrainedTokenizerFast
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flow_grpo_credit"
     recipe = f"steps{args.pretrain_steps}-b{args.pretrain_batch}-lr{args.pretrain_lr}-d{args.pretrain_detailed}"
-    folder = Path(args.cache_dir or default) / f"toy-res{RES}-{recipe}-v3"
+    folder = Path(args.cache_dir or default) / f"toy-res{RES}-{recipe}-v3" if args.pretrain else TOY_BASE
     if not folder.exists():  # it appears whole, renamed from a temporary folder
         start, parts = time.time(), pretrain_toy(args, device)
         print(f"pretrained the toy model in {time.time() - start:.0f} s; cached in {folder}")
@@ -850,14 +860,11 @@ class Context:
         return self.reward_fn(self.policy.decode(x), [self.metas[i] for i in prompt.tolist()]).to(x.device)
 
     def advantages(self, r: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-        """(r - mean_g) / (std_g + 1e-4), population std (Deviation 3); 0 for a group of equal rewards (counted in
-        zero_std_frac). A group spanning ranks is normalised whole; each rank keeps its own samples' advantages."""
+        """group_normalise over whole groups: a group spanning ranks is gathered and normalised whole, and each
+        rank keeps its own samples' advantages; groups of equal rewards are counted for zero_std_frac."""
         n, group = len(r), group.repeat(self.dist.world)
-        r = self.dist.gather(r)  # (ranks*N,) in rank order
-        mean, inv = segment_mean(r, group)
-        std = segment_mean((r - mean[inv]) ** 2, group)[0].sqrt()
-        self.stats.setdefault("zero_std", []).append(std < 1e-8)
-        adv = torch.where(std[inv] < 1e-8, torch.zeros_like(r), (r - mean[inv]) / (std[inv] + 1e-4))
+        adv, flat = group_normalise(self.dist.gather(r), group)  # (ranks*N,) in rank order
+        self.stats.setdefault("zero_std", []).append(flat)
         return adv[self.dist.rank * n:(self.dist.rank + 1) * n]
 
 def repeat(x: torch.Tensor, g: int) -> torch.Tensor:
@@ -870,6 +877,16 @@ def repeat(x: torch.Tensor, g: int) -> torch.Tensor:
 #
 # Each takes the iteration's Context and returns (Transitions to train on, rewards for logging). How a method
 # samples is data for the shared rollout: which steps are stochastic, where a trajectory starts, which grid.
+
+def group_normalise(r: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO's group-relative advantage A_i = (r_i - mean_g r) / (std_g r + 1e-4), population std (Deviation 3).
+    r, group (N,) -> (A (N,), flat (groups,) bool). In float64, the mean of equal rewards is exact (eight rewards
+    of 1/3 in float32 leave a std of 3e-8), so a group of equal rewards gets A = 0 exactly and is `flat`."""
+    r64 = r.double()
+    mean, inv = segment_mean(r64, group)
+    std = segment_mean((r64 - mean[inv]) ** 2, group)[0].sqrt()
+    adv = torch.where(std[inv] == 0, torch.zeros_like(r64), (r64 - mean[inv]) / (std[inv] + 1e-4))
+    return adv.to(r.dtype), std == 0
 
 def flow_grpo(ctx: Context):
     """Flow-GRPO (arXiv 2505.05470; SDE Eq. 9, GRPO objective with the group-relative advantage).
@@ -964,13 +981,14 @@ def g2rpo(ctx: Context):
 def chunk(ctx: Context):
     """Chunk-GRPO (arXiv 2510.21583 v1; chunk ratio Eq. 14, relative L1 Eq. 15, chunk weights Eq. 16).
 
-    Sampling and advantage as flow_grpo (shared noise per group, as the paper); consecutive trained steps form
-    chunks of one importance ratio each; a fraction may be trained, drawn by mean relative L1 (Deviation 9):
+    Sampling and advantage as flow_grpo, independent noises included (the paper shares one per group: Deviation 9);
+    consecutive trained steps form chunks of one importance ratio each; a fraction may be trained, drawn by mean
+    relative L1 (the automatic boundaries are this project's heuristic, Deviation 9):
         ratio_j = exp( mean_{k in chunk j} (log pi_theta - log pi_old) ).
     Differs from flow_grpo by: chunk ids that make the shared loss use chunk-level ratios."""
     b, g, s = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
     prompt = repeat(torch.arange(b), g)  # (B*G,)
-    traj = ctx.rollout(prompt, repeat(initial_noise(ctx.policy, b, ctx.shared_gen), g), ctx.grid, [True] * s)
+    traj = ctx.rollout(prompt, initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, [True] * s)
     r = ctx.reward(traj.states[:, -1], prompt)
     adv = ctx.advantages(r, prompt)[:, None]
     trained, sizes = ctx.trainable, ctx.chunk_sizes
@@ -1164,7 +1182,7 @@ RULES = {  # what a valid value of each flag is, and how to tell
     ">= 3": (["steps"], lambda v: v >= 3),
     "> 0": (["lr", "clip_range", "max_grad_norm", "resolution"], lambda v: v > 0),
     ">= 0": (["micro_batch", "noise_level", "extra_penalty", "beta", "lora_rank", "lora_alpha", "branch_steps",
-              "benchmark"], lambda v: v >= 0),
+              "benchmark", "spread"], lambda v: v >= 0),
     ">= 1": (["prompts_per_iter", "eval_steps", "eval_every", "eval_per_tag", "inner_updates", "tweedie_substeps",
               "seeds", "num_chunks", "pretrain_steps", "checkpoint_every", "max_nonfinite", "jobs"], lambda v: v >= 1),
     "0 or >= 1": (["guidance"], lambda v: v == 0 or v >= 1),
@@ -1264,7 +1282,8 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
         except OSError as e:
             raise UsageError(f"--out {args.out!r}: cannot create the run folder {run} ({e.strerror or e})") from None
     ema = EMAModel(s.params, decay=args.ema)  # Flow-GRPO's warm-up, min((1+n)/(10+n), decay); evaluated and saved
-    state = load_checkpoint(run, s.policy, s.opt, ema) if resume else {"iteration": 0, "meter": {}, "wall": 0.0}
+    state = load_checkpoint(run, s.policy, s.opt, ema) if resume else {"iteration": 0, "meter": {}, "wall": 0.0,
+                                                                        "base_scores": None}
     meter, history, wall = Meter(**state["meter"]), state.get("history", []), state["wall"]
     start_it, bad_in_row = state["iteration"] + 1, 0
     if writer:
@@ -1281,7 +1300,9 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
         if writer:  # the other ranks go on and wait for rank 0 in the next collective
             with ema_applied(ema, s.params):
                 metrics, images, metas, scores = evaluate(s.policy, args, s.reward_fn, s.eval_metas)
-            record({"iteration": iteration, **metrics, "nfe": nfe, "wall_s": round(wall, 2)})
+            state["base_scores"] = state.get("base_scores") or scores  # the gains are paired with the first evaluation
+            gains = paired_gains(scores, state["base_scores"], [m.get("tag", "prompt") for m in metas])
+            record({"iteration": iteration, **metrics, **gains, "nfe": nfe, "wall_s": round(wall, 2)})
             save_grid(images, metas, scores, run / f"samples_{iteration:04d}.png",
                       f"{args.method} iteration {iteration}: held-out score {metrics['eval_overall']:.3f}")
 
@@ -1312,7 +1333,8 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
             run_eval(it)
         if (it % args.checkpoint_every == 0 or it == args.iterations) and not bad_in_row and writer:
             save_checkpoint(run, s.policy, s.opt, ema, {"iteration": it, "meter": dataclasses.asdict(meter),
-                                                        "wall": wall, "history": history})
+                                                        "wall": wall, "history": history,
+                                                        "base_scores": state["base_scores"]})
     log.close()
     if writer:
         with ema_applied(ema, s.params):
@@ -1336,10 +1358,11 @@ def print_summary(run: Path, history: list[dict], args: Args, wall: float) -> No
     first, *_, last = [h for h in history if "eval_overall" in h]
     score = "toy-GenEval overall" if args.model == "toy" else "held-out reward"
     print(f"done: {run}\n{score} {first['eval_overall']:.3f} -> {last['eval_overall']:.3f} "
-          f"({last['eval_overall'] - first['eval_overall']:+.3f} ± {last['eval_se']:.3f} s.e.) in {wall / 60:.1f} min "
+          f"({last['gain_overall']:+.3f} ± {last['gain_overall_se']:.3f} paired s.e.) in {wall / 60:.1f} min "
           f"of training, {history[-1]['nfe']:.3g} forward passes")
     if "eval_strict" in last:
-        print(f"strict (the asked objects, nothing else) {first['eval_strict']:.3f} -> {last['eval_strict']:.3f}; "
+        print(f"strict (the asked objects, nothing else) {first['eval_strict']:.3f} -> {last['eval_strict']:.3f} "
+              f"({last['gain_strict']:+.3f} ± {last['gain_strict_se']:.3f}); "
               f"images with extra objects {first['eval_extra']:.1%} -> {last['eval_extra']:.1%}")
 
 @contextlib.contextmanager
@@ -1377,8 +1400,9 @@ def load_checkpoint(run: Path, policy, opt, ema) -> dict:
 
 @torch.no_grad()
 def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None):
-    """Deterministic (fixed prompts and noise, `eval_steps` ODE steps) -> (metrics, images, metas, toy scores or None).
-    eval_overall: toy-GenEval (the mean of six category accuracies) or the mean held-out reward, ± eval_se (s.e.)."""
+    """Deterministic (fixed prompts and noise, `eval_steps` ODE steps) -> (metrics, images, metas, per-image scores:
+    the reward and, on toy, score_batch's). eval_overall: toy-GenEval (the mean of the category accuracies) or the
+    mean held-out reward, ± eval_se (s.e.)."""
     metas = metas or eval_prompts(args.eval_per_tag)
     grid, noise = policy.time_grid(args.eval_steps), initial_noise(policy, len(metas), generator("eval-noise"))
     images, rewards = [], []
@@ -1388,25 +1412,38 @@ def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None
                     [False] * args.eval_steps, args, Meter()).states[:, -1]
         images.append(policy.decode(x))
         rewards.append((reward_fn or build_reward(args, policy.device))(images[-1], part_metas).float().cpu())
-    images, rewards = torch.cat(images).cpu(), torch.cat(rewards)
+    images, rewards, tags = torch.cat(images).cpu(), torch.cat(rewards), [m.get("tag", "prompt") for m in metas]
     if args.model != "toy":
-        mean, se = float(rewards.mean()), float(rewards.std() / math.sqrt(len(rewards)))
-        return {"eval_overall": mean, "eval_se": se, "eval_reward": mean}, images, metas, None
-    scores, tags = score_batch(images, metas), np.array([m["tag"] for m in metas])
-    masks = {tag: torch.from_numpy(tags == tag) for tag in TAGS}
-    accuracy = {tag: float(scores["geneval"][mask].mean()) for tag, mask in masks.items()}
-    se = math.sqrt(sum(p * (1 - p) / int(masks[tag].sum()) for tag, p in accuracy.items())) / len(TAGS)
-    return {"eval_overall": float(np.mean(list(accuracy.values()))), "eval_se": se,
-            "eval_strict": float(np.mean([float(scores["strict"][mask].mean()) for mask in masks.values()])),
-            "eval_extra": float((scores["extra"] > 0).float().mean()),
-            **{f"eval_{tag}": p for tag, p in accuracy.items()}, "eval_reward": float(rewards.mean())}, \
-        images, metas, scores
+        mean, se = by_category(rewards, tags)
+        return {"eval_overall": mean, "eval_se": se, "eval_reward": mean}, images, metas, {"reward": rewards}
+    scores = score_batch(images, metas)
+    (overall, se), (strict, _) = by_category(scores["geneval"], tags), by_category(scores["strict"], tags)
+    accuracy = {f"eval_{tag}": by_category(scores["geneval"], tags, tag)[0] for tag in TAGS if tag in tags}
+    return {"eval_overall": overall, "eval_se": se, "eval_strict": strict,
+            "eval_extra": float((scores["extra"] > 0).float().mean()), **accuracy,
+            "eval_reward": float(rewards.mean())}, images, metas, scores | {"reward": rewards}
 
-def save_grid(images: torch.Tensor, metas: list[dict], scores: dict | None, path: Path, title: str,
+def by_category(values: torch.Tensor, tags: list[str], only: str | None = None) -> tuple[float, float]:
+    """Per-image values (N,) -> (mean of the category means, its standard error sqrt(sum_c var_c / n_c) / C), as
+    toy-GenEval averages its categories; `only` keeps one category. For the difference of two evaluations on the
+    same prompts and noise this is the paired standard error of the gain."""
+    groups = [values[[i for i, t in enumerate(tags) if t == tag]].double() for tag in dict.fromkeys(tags)
+              if only in (None, tag)]
+    se = math.sqrt(sum(float(g.var(unbiased=False)) / len(g) for g in groups)) / len(groups)
+    return float(torch.stack([g.mean() for g in groups]).mean()), se
+
+def paired_gains(after: dict, before: dict, tags: list[str]) -> dict:
+    """Each held-out score's gain over the base evaluation, ± its paired standard error (same prompts and noise)."""
+    keys = {"overall": "geneval" if "geneval" in after else "reward", "strict": "strict"}
+    gains = {name: by_category(after[key] - before[key], tags) for name, key in keys.items() if key in after}
+    return {k: v for name, (gain, se) in gains.items() for k, v in ((f"gain_{name}", gain), (f"gain_{name}_se", se))}
+
+def save_grid(images: torch.Tensor, metas: list[dict], scores: dict, path: Path, title: str,
               per_row: int = 6) -> None:
     """A PNG: a row per toy category with GenEval's verdict (✓/✗, +n extra objects), or up to six of prompts."""
     from matplotlib.figure import Figure
-    groups = [m["tag"] if scores else f"prompts {i // per_row * per_row + 1}-" for i, m in enumerate(metas)]
+    toy = "geneval" in scores
+    groups = [m["tag"] if toy else f"prompts {i // per_row * per_row + 1}-" for i, m in enumerate(metas)]
     rows = {name: [i for i, g in enumerate(groups) if g == name][:per_row] for name in list(dict.fromkeys(groups))[:6]}
     fig = Figure(figsize=(per_row * 1.6, len(rows) * 1.9), layout="tight")
     axes = fig.subplots(len(rows), per_row, squeeze=False)
@@ -1416,7 +1453,7 @@ def save_grid(images: torch.Tensor, metas: list[dict], scores: dict | None, path
             ax.axis("off")
         for i, ax in zip(idx, row):
             ax.imshow(images[i].permute(1, 2, 0).numpy(), interpolation="nearest")
-            ok, extra = (bool(scores["geneval"][i]), int(scores["extra"][i])) if scores else (None, 0)
+            ok, extra = (bool(scores["geneval"][i]), int(scores["extra"][i])) if toy else (None, 0)
             mark = "" if ok is None else ("✓ " if ok else "✗ ") + (f"+{extra} " if extra else "")
             colour = {None: "black", True: "green", False: "red"}[ok]
             ax.set_title(textwrap.fill(mark + metas[i]["prompt"], 24)[:80], fontsize=6, color=colour)
@@ -1492,23 +1529,29 @@ def comparison_table(evals: dict, seeds: list[int], args: Args) -> str:
     def at(runs, key):  # the last evaluation within the budget
         return cell([[e for e in run if e[key] <= budgets[key]][-1]["eval_overall"] for run in runs])
 
+    def gains(final, name):  # the mean gain, then each seed's ± its paired standard error
+        per_seed = ", ".join(f"{e[f'gain_{name}']:+.3f} ± {e[f'gain_{name}_se']:.3f}" for e in final)
+        return f"{np.mean([e[f'gain_{name}'] for e in final]):+.3f} ({per_seed})"
+
     toy = ["eval_strict", "eval_extra"] if "eval_strict" in last[0] else []
-    columns = ["base", "final", "gain", *(f"{k[5:]}: base → final" for k in toy), "at equal wall-clock",
-               "at equal nfe", "passes per iteration"]
+    columns = ["base", "final", "gain (seeds ± paired s.e.)", *(f"{k[5:]}: base → final" for k in toy),
+               *(["strict gain (seeds ± paired s.e.)"] if toy else []), "at equal wall-clock", "at equal nfe",
+               "passes per iteration"]
     rows = ["| method | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for m, runs in evals.items():
         base, final = [run[0] for run in runs], [run[-1] for run in runs]
         cells = [cell([e["eval_overall"] for e in base]), cell([e["eval_overall"] for e in final]),
-                 cell([b["eval_overall"] - a["eval_overall"] for a, b in zip(base, final)]),
+                 gains(final, "overall"),
                  *(f"{np.mean([e[k] for e in base]):.3f} → {cell([e[k] for e in final])}" for k in toy),
+                 *([gains(final, "strict")] if toy else []),
                  at(runs, "wall_s"), at(runs, "nfe"), f"{np.mean([e['nfe'] / e['iteration'] for e in final]):.0f}"]
         rows.append(f"| {m} | " + " | ".join(cells) + " |")
     score = "toy-GenEval overall (GenEval's rule)" if toy else "reward"
     iterations = args.iterations or "each method's default number of"
-    note = (f"Held-out {score}, mean ± std over seeds {seeds}; {iterations} iterations. One evaluation's standard "
-            f"error over its prompts is ±{np.median([e['eval_se'] for e in last]):.3f}: a difference smaller than "
-            f"about twice that, or than the spread over seeds, is within noise. Budgets: {budgets['wall_s']:.0f} s "
-            f"of training wall-clock, {budgets['nfe']:.3g} forward passes (the smallest final value of all runs).")
+    note = (f"Held-out {score}, mean ± std over seeds {seeds}; {iterations} iterations. A gain is paired: the same "
+            f"prompts and noise before and after, its standard error over prompts beside it. Budgets: "
+            f"{budgets['wall_s']:.0f} s of training wall-clock, {budgets['nfe']:.3g} forward passes (the smallest "
+            "final value of all runs).")
     return note + "\n\n" + "\n".join(rows) + "\n"
 
 def plot_comparison(evals: dict, path: Path) -> None:
@@ -1522,6 +1565,35 @@ def plot_comparison(evals: dict, path: Path) -> None:
     panels = [(x, "eval_overall") for x in ("iteration", "wall_s", "nfe")] + [("iteration", k) for k in keys[1:]]
     line_plots([(names.get(x, x), names[y], {label: (mean(runs, x), mean(runs, y)) for label, runs in evals.items()})
                 for x, y in panels], path)
+
+def step_spread(args: Args) -> dict:
+    """Which steps decide the image (TempFlow's and G2RPO's premise): from the ODE path of `spread` prompts a
+    category, G children take one SDE step at step k and follow the ODE to t = 0; the std of their final rewards,
+    per category and step, and each step's share of the sum over steps -> step_spread.png and .json in --out."""
+    validate(args)
+    device = resolve_device(args.device)
+    policy, reward_fn = load_policy(args, device), build_reward(args, device)
+    metas = eval_prompts(args.spread, seed=99) if args.model == "toy" else prompt_sets(args)[1][: args.spread]
+    ctx = Context(policy, args, Meter(), generator(args.seed, "spread"), metas,
+                  policy.encode([m["prompt"] for m in metas]), policy.time_grid(args.steps), reward_fn)
+    b, g, s, tags = len(metas), args.group_size, args.steps, [m.get("tag", "prompt") for m in metas]
+    prompt, child = torch.arange(b), repeat(torch.arange(b), args.group_size)  # (B,), (B*G,)
+    path = ctx.rollout(prompt, initial_noise(policy, b, ctx.gen), ctx.grid, [False] * s)
+    spread = {}  # step k -> (B,) std of the children's rewards
+    for k in tqdm(torch.nonzero(ctx.trainable).flatten().tolist(), desc="children at each step"):
+        branch = ctx.rollout(child, repeat(path.states[:, k], g), ctx.grid[k:], [True] + [False] * (s - k - 1))
+        spread[k] = ctx.reward(branch.states[:, -1], child).view(b, g).float().std(1).cpu()
+    ks, total = list(spread), sum(float(v.mean()) for v in spread.values())
+    result = {"t": [float(ctx.grid[k]) for k in ks], "share": {k: float(v.mean()) / total for k, v in spread.items()},
+              **{tag: {k: by_category(v, tags, tag)[0] for k, v in spread.items()} for tag in dict.fromkeys(tags)}}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "step_spread.json").write_text(json.dumps(result, indent=1))
+    line_plots([("step k (its time t_k falls from 1)", "std of the final reward among children",
+                 {tag: (ks, list(result[tag].values())) for tag in dict.fromkeys(tags)}),
+                ("step k", "share of the spread summed over steps", {"all": (ks, list(result["share"].values()))})],
+               Path(args.out) / "step_spread.png")
+    print("\n".join(f"step {k} (t = {t:.2f}): share {result['share'][k]:.1%}" for k, t in zip(ks, result["t"])))
+    return result
 
 def benchmark(args: Args) -> dict:
     """Seconds per phase of `args.benchmark` iterations after an untimed warm-up one, images per second and
@@ -1598,6 +1670,8 @@ def main(argv=None) -> int:
         args, resume = parse_args(argv)
         if args.benchmark and not resume:
             benchmark(args)
+        elif args.spread:
+            step_spread(args)
         elif args.method == "all" or "," in args.method or "," in args.compare_seeds:
             compare(args, resume)
         else:

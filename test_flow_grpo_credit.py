@@ -24,6 +24,7 @@ import flow_grpo_credit as fgc
 os.environ["HF_HUB_OFFLINE"] = "1"  # no network: every model here is built and saved by the tests
 
 HERE = Path(__file__).parent
+BASE_STRICT, BASE_OVERALL = 0.375, 0.427  # the shipped base on the default held-out set, as the README states
 SCRIPT = str(HERE / "flow_grpo_credit.py")
 
 
@@ -217,7 +218,25 @@ def test_evaluate_reports_geneval_strict_and_extra_rates_per_category():
     metrics, *_ = fgc.evaluate(policy, dataclasses.replace(args, micro_batch=5), fgc.toy_reward, metas)
     assert policy.encoded == len(metas), "in micro-batches, every prompt once"
     assert metrics["eval_reward"] == pytest.approx(float(fgc.toy_reward(images, metas).mean()))
-    assert set(scores) == {"geneval", "dense", "strict", "extra"}
+    assert set(scores) == {"geneval", "dense", "strict", "extra", "reward"}
+    two = [i for i, m in enumerate(metas) if m["tag"] in ("counting", "position")]  # any subset of the categories
+    sub = GroundTruthPolicy([metas[i] for i in two], images[two] * 2 - 1)
+    metrics, *_ = fgc.evaluate(sub, args, metas=[metas[i] for i in two])
+    assert metrics["eval_overall"] == pytest.approx(p) and "eval_colors" not in metrics
+
+
+def test_paired_gain_and_its_standard_error_follow_the_category_structure():
+    """by_category of per-image differences: the mean over categories of each category's mean difference, with
+    s.e. sqrt(sum_c var_c / n_c) / C; a gain that is the same on every image has a paired s.e. of 0."""
+    tags = ["a"] * 4 + ["b"] * 2
+    before, after = torch.tensor([0, 0, 1, 1, 0, 1.0]), torch.tensor([1, 0, 1, 1, 1, 1.0])
+    gain = fgc.paired_gains({"strict": after, "geneval": after}, {"strict": before, "geneval": before}, tags)
+    d_a, d_b = torch.tensor([1, 0, 0, 0.0]), torch.tensor([1, 0.0])
+    assert gain["gain_overall"] == pytest.approx((0.25 + 0.5) / 2) == gain["gain_strict"]
+    se = math.sqrt(d_a.var(unbiased=False) / 4 + d_b.var(unbiased=False) / 2) / 2
+    assert gain["gain_overall_se"] == pytest.approx(se)
+    shifted = fgc.paired_gains({"reward": before + 0.1}, {"reward": before}, ["prompt"] * 6)
+    assert shifted == pytest.approx({"gain_overall": 0.1, "gain_overall_se": 0.0}, abs=1e-7)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -348,6 +367,16 @@ def test_group_advantages_are_standardised_and_zero_variance_groups_are_zero():
     assert torch.equal(adv[4:], torch.zeros(4)) and torch.cat(ctx.stats["zero_std"]).tolist() == [False, True]
     ctx.advantages(torch.tensor([1.0, 1.0, 0.0, 2.0]), torch.tensor([3, 3, 7, 7]))  # one entry per call
     assert [z.tolist() for z in ctx.stats["zero_std"]] == [[False, True], [True, False]]
+
+
+def test_a_group_of_equal_rewards_of_one_third_gets_advantage_exactly_zero():
+    """Eight rewards of 1/3 (a counting prompt's partial credit): float32's running mean leaves a std of ~3e-8,
+    which would give every member +3e-4 and train the group with one sign; group_normalise gives exactly 0."""
+    r = torch.full((8,), 1 / 3)
+    assert fgc.segment_mean((r - fgc.segment_mean(r, torch.zeros(8))[0]) ** 2, torch.zeros(8))[0].item() >= 0
+    adv, flat = fgc.group_normalise(torch.cat([r, torch.arange(8.0)]), torch.tensor([0] * 8 + [1] * 8))
+    assert torch.equal(adv[:8], torch.zeros(8)) and flat.tolist() == [True, False]
+    assert abs(adv[8:].std(unbiased=False) - 1) < 1e-3 and adv.dtype == torch.float32
 
 
 def test_stepwise_advantages_telescope_to_the_normalised_final_reward():
@@ -837,7 +866,6 @@ def test_parse_args_reads_every_flag_and_parse_ints_names_the_flag():
     assert fgc.parse_ints("1,2,3", "--granularities") == [1, 2, 3]
     with pytest.raises(fgc.UsageError, match=re.escape("--compare-seeds must be integers like 0,1,2, got 'a'")):
         fgc.parse_ints("a", "--compare-seeds", "0,1,2")
-    assert fgc.Args().eval_per_tag == 64 and fgc.Args().eval_every == 16 and fgc.Args().reward == "auto"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -851,7 +879,8 @@ def tiny_cache(tmp_path_factory):
 
 def tiny_args(cache, out, **kw):
     base = {"iterations": 3, "prompts_per_iter": 2, "group_size": 2, "steps": 4, "eval_steps": 2, "eval_per_tag": 1,
-            "eval_every": 2, "pretrain_steps": 30, "cache_dir": cache, "out": str(out), "checkpoint_every": 1}
+            "eval_every": 2, "pretrain": True, "pretrain_steps": 30, "cache_dir": cache, "out": str(out),
+            "checkpoint_every": 1}
     return fgc.Args(**{**base, **kw})
 
 
@@ -1043,8 +1072,8 @@ def add_lora(policy, args):  # keep a handle on the adapter's parameters and the
 fgc.add_lora = add_lora
 fgc.toy_strict_reward = lambda images, metas, penalty: images.mean((1, 2, 3)).cpu()  # never two equal rewards
 args = fgc.Args(iterations=2, prompts_per_iter=2, group_size=2, steps=4, eval_steps=2, eval_per_tag=1,
-                eval_every=2, pretrain_steps=30, cache_dir={tiny_cache!r}, out={str(tmp_path / 'runs')!r},
-                device="cpu", lr=1e-2)
+                eval_every=2, pretrain=True, pretrain_steps=30, cache_dir={tiny_cache!r},
+                out={str(tmp_path / 'runs')!r}, device="cpu", lr=1e-2)
 fgc.train(args)
 rank = os.environ['RANK']
 torch.save({{"trained": [p.detach() for p in params], "init": init}}, {str(tmp_path)!r} + f"/rank{{rank}}.pt")
@@ -1362,6 +1391,31 @@ def test_bad_real_inputs_are_one_line_errors(tiny_real, tmp_path):
 # a measured improvement with the real pretrained toy model (pretrained once, ~5 min, then cached)
 
 
+def test_the_shipped_base_model_loads_by_default_and_scores_as_the_readme_states():
+    """A fresh clone starts from the shipped weights (no pretraining): assets/toy_base, loaded by default, scores
+    the README's base values on the fixed held-out set (to within float differences between CPUs)."""
+    args = fgc.Args()
+    assert not args.pretrain and (fgc.TOY_BASE / "unet" / "diffusion_pytorch_model.safetensors").exists()
+    size = sum(f.stat().st_size for f in fgc.TOY_BASE.rglob("*") if f.is_file())
+    assert size < 10e6, f"the shipped base is {size / 1e6:.1f} MB"
+    metrics, *_ = fgc.evaluate(fgc.load_toy(args, torch.device("cpu")), args)
+    assert metrics["eval_strict"] == pytest.approx(BASE_STRICT, abs=0.01)
+    assert metrics["eval_overall"] == pytest.approx(BASE_OVERALL, abs=0.01)
+
+
+def test_step_spread_measures_each_steps_share_of_the_reward_spread(tiny_cache, tmp_path, monkeypatch):
+    """From one ODE path, children that take one SDE step at k and the ODE afterwards: their rewards (here a
+    smooth one, the mean pixel) spread at every trained step, the shares add up to 1, and with (almost) no noise
+    the children agree."""
+    monkeypatch.setattr(fgc, "toy_strict_reward", lambda images, metas, penalty: images.mean((1, 2, 3)))
+    args = tiny_args(tiny_cache, tmp_path, spread=2, group_size=4)
+    result = fgc.step_spread(args)
+    assert sum(result["share"].values()) == pytest.approx(1) and (tmp_path / "step_spread.png").exists()
+    assert set(result) == {"t", "share", *fgc.TAGS} and all(v > 0 for v in result["single_object"].values())
+    quiet = fgc.step_spread(dataclasses.replace(args, noise_level=1e-6))
+    assert max(v for tag in fgc.TAGS for v in quiet[tag].values()) < 1e-3
+
+
 def test_a_short_grpo_run_raises_the_reward_of_its_prompts():
     """Flow-GRPO for 12 iterations on two prompts raises their deterministic (ODE, fixed-noise) reward:
     the whole pipeline learns, measured, not just runs. The reward is a smooth one, how red the image
@@ -1410,9 +1464,9 @@ def test_method_all_writes_a_table_scored_within_equal_budgets(tiny_cache, tmp_p
     table = (folder / "comparison.md").read_text()
     rows = table_rows(table)
     assert set(rows) == {"flow_grpo", "stepwise"} and (folder / "comparison.png").exists()
-    assert list(rows["stepwise"]) == ["method", "base", "final", "gain", "strict: base → final",
-                                      "extra: base → final", "at equal wall-clock", "at equal nfe",
-                                      "passes per iteration"]
+    assert list(rows["stepwise"]) == ["method", "base", "final", "gain (seeds ± paired s.e.)", "strict: base → final",
+                                      "extra: base → final", "strict gain (seeds ± paired s.e.)",
+                                      "at equal wall-clock", "at equal nfe", "passes per iteration"]
     run_dirs = sorted(run for run in folder.iterdir() if run.is_dir())
     runs = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in run_dirs]
     assert len(runs) == 4
@@ -1430,6 +1484,11 @@ def test_method_all_writes_a_table_scored_within_equal_budgets(tiny_cache, tmp_p
         base, last = [e[0][key] for e in stepwise], [e[-1][key] for e in stepwise]
         assert row[column] == f"{np.mean(base):.3f} → {np.mean(last):.3f} ± {np.std(last):.3f}"
     assert row["passes per iteration"] == f"{np.mean([e[-1]['nfe'] / e[-1]['iteration'] for e in stepwise]):.0f}"
+    for key, column in (("strict", "strict gain (seeds ± paired s.e.)"), ("overall", "gain (seeds ± paired s.e.)")):
+        gains = [e[-1][f"gain_{key}"] for e in stepwise]
+        assert gains == pytest.approx([e[-1][f"eval_{key}"] - e[0][f"eval_{key}"] for e in stepwise])
+        first = f"{gains[0]:+.3f} ± {stepwise[0][-1][f'gain_{key}_se']:.3f}"
+        assert row[column].startswith(f"{np.mean(gains):+.3f} ({first}")
 
 
 def test_parallel_comparison_repeats_each_run_exactly_and_resumes_to_more_iterations(tiny_cache, tmp_path):
