@@ -860,8 +860,7 @@ class Context:
         return self.reward_fn(self.policy.decode(x), [self.metas[i] for i in prompt.tolist()]).to(x.device)
 
     def advantages(self, r: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-        """group_normalise over whole groups: a group spanning ranks is gathered and normalised whole, and each
-        rank keeps its own samples' advantages; groups of equal rewards are counted for zero_std_frac."""
+        """group_normalise of whole groups, gathered over ranks; each rank keeps its own samples' advantages."""
         n, group = len(r), group.repeat(self.dist.world)
         adv, flat = group_normalise(self.dist.gather(r), group)  # (ranks*N,) in rank order
         self.stats.setdefault("zero_std", []).append(flat)
@@ -879,9 +878,8 @@ def repeat(x: torch.Tensor, g: int) -> torch.Tensor:
 # samples is data for the shared rollout: which steps are stochastic, where a trajectory starts, which grid.
 
 def group_normalise(r: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO's group-relative advantage A_i = (r_i - mean_g r) / (std_g r + 1e-4), population std (Deviation 3).
-    r, group (N,) -> (A (N,), flat (groups,) bool). In float64, the mean of equal rewards is exact (eight rewards
-    of 1/3 in float32 leave a std of 3e-8), so a group of equal rewards gets A = 0 exactly and is `flat`."""
+    """GRPO's advantage A_i = (r_i - mean_g r) / (std_g r + 1e-4), population std (Deviation 3): r, group (N,) ->
+    (A (N,), flat (groups,)). float64 keeps equal rewards' std exactly 0 (float32 leaves 3e-8 for 8 x 1/3): A = 0."""
     r64 = r.double()
     mean, inv = segment_mean(r64, group)
     std = segment_mean((r64 - mean[inv]) ** 2, group)[0].sqrt()
@@ -1424,9 +1422,8 @@ def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None
             "eval_reward": float(rewards.mean())}, images, metas, scores | {"reward": rewards}
 
 def by_category(values: torch.Tensor, tags: list[str], only: str | None = None) -> tuple[float, float]:
-    """Per-image values (N,) -> (mean of the category means, its standard error sqrt(sum_c var_c / n_c) / C), as
-    toy-GenEval averages its categories; `only` keeps one category. For the difference of two evaluations on the
-    same prompts and noise this is the paired standard error of the gain."""
+    """Per-image values (N,) -> (mean of the category means as toy-GenEval, s.e. sqrt(sum_c var_c / n_c) / C); `only`
+    keeps one category. Of the differences of two evaluations on the same prompts and noise: the paired s.e."""
     groups = [values[[i for i, t in enumerate(tags) if t == tag]].double() for tag in dict.fromkeys(tags)
               if only in (None, tag)]
     se = math.sqrt(sum(float(g.var(unbiased=False)) / len(g) for g in groups)) / len(groups)
@@ -1499,7 +1496,7 @@ def compare(args: Args, folder: str | None = None) -> Path:
         histories = [train(a, r) for a, r in zip(runs, resumes)]
     else:
         import concurrent.futures
-        if args.model == "toy":
+        if args.model == "toy" and args.pretrain:
             load_toy(args, torch.device("cpu"))  # pretrain once here, not in every worker at once
         print(f"{len(runs)} runs, {args.jobs} at a time; progress is in {folder}/**/metrics.jsonl")
         spawn, threads = torch.multiprocessing.get_context("spawn"), max(1, torch.get_num_threads() // args.jobs)
@@ -1519,9 +1516,9 @@ def train_in_process(args: Args, resume: str | None, threads: int) -> list[dict]
     return train(args, resume)
 
 def comparison_table(evals: dict, seeds: list[int], args: Args) -> str:
-    """comparison.md: per method, mean ± std over seeds of held-out scores at start, end, equal wall-clock and nfe."""
+    """comparison.md: per method, mean ± std over seeds of held-out scores at start, end and equal nfe."""
     last = [run[-1] for runs in evals.values() for run in runs]
-    budgets = {"wall_s": min(e["wall_s"] for e in last), "nfe": min(e["nfe"] for e in last)}
+    budgets = {"nfe": min(e["nfe"] for e in last)}
 
     def cell(values):
         return f"{np.mean(values):.3f} ± {np.std(values):.3f}"
@@ -1535,8 +1532,7 @@ def comparison_table(evals: dict, seeds: list[int], args: Args) -> str:
 
     toy = ["eval_strict", "eval_extra"] if "eval_strict" in last[0] else []
     columns = ["base", "final", "gain (seeds ± paired s.e.)", *(f"{k[5:]}: base → final" for k in toy),
-               *(["strict gain (seeds ± paired s.e.)"] if toy else []), "at equal wall-clock", "at equal nfe",
-               "passes per iteration"]
+               *(["strict gain (seeds ± paired s.e.)"] if toy else []), "at equal nfe", "passes per iteration"]
     rows = ["| method | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for m, runs in evals.items():
         base, final = [run[0] for run in runs], [run[-1] for run in runs]
@@ -1544,50 +1540,43 @@ def comparison_table(evals: dict, seeds: list[int], args: Args) -> str:
                  gains(final, "overall"),
                  *(f"{np.mean([e[k] for e in base]):.3f} → {cell([e[k] for e in final])}" for k in toy),
                  *([gains(final, "strict")] if toy else []),
-                 at(runs, "wall_s"), at(runs, "nfe"), f"{np.mean([e['nfe'] / e['iteration'] for e in final]):.0f}"]
+                 at(runs, "nfe"), f"{np.mean([e['nfe'] / e['iteration'] for e in final]):.0f}"]
         rows.append(f"| {m} | " + " | ".join(cells) + " |")
     score = "toy-GenEval overall (GenEval's rule)" if toy else "reward"
     iterations = args.iterations or "each method's default number of"
     note = (f"Held-out {score}, mean ± std over seeds {seeds}; {iterations} iterations. A gain is paired: the same "
-            f"prompts and noise before and after, its standard error over prompts beside it. Budgets: "
-            f"{budgets['wall_s']:.0f} s of training wall-clock, {budgets['nfe']:.3g} forward passes (the smallest "
-            "final value of all runs).")
+            f"prompts and noise before and after, its standard error over prompts beside it. Equal budget: "
+            f"{budgets['nfe']:.3g} forward passes (the smallest final value of all runs).")
     return note + "\n\n" + "\n".join(rows) + "\n"
 
 def plot_comparison(evals: dict, path: Path) -> None:
-    """Held-out scores against iteration, wall-clock and nfe, the mean over seeds; on toy also strict and extra."""
+    """Held-out scores against iteration and nfe, the mean over seeds; on toy also strict and extra."""
     def mean(runs, key):
         return np.mean([[e[key] for e in run[: min(map(len, runs))]] for run in runs], 0)
 
     keys = [k for k in SCORES if k in next(iter(evals.values()))[0][0]]
-    names = {"wall_s": "training wall-clock (s)", "nfe": "forward passes (nfe)", "eval_overall": "toy-GenEval / reward",
-             "eval_strict": "strict score", "eval_extra": "images with extra objects"}
-    panels = [(x, "eval_overall") for x in ("iteration", "wall_s", "nfe")] + [("iteration", k) for k in keys[1:]]
+    names = {"nfe": "forward passes (nfe)", "eval_overall": "toy-GenEval / reward", "eval_strict": "strict score",
+             "eval_extra": "images with extra objects"}
+    panels = [(x, "eval_overall") for x in ("iteration", "nfe")] + [("iteration", k) for k in keys[1:]]
     line_plots([(names.get(x, x), names[y], {label: (mean(runs, x), mean(runs, y)) for label, runs in evals.items()})
                 for x, y in panels], path)
 
 def step_spread(args: Args) -> dict:
-    """Which steps decide the image (TempFlow's and G2RPO's premise): from the ODE path of `spread` prompts a
-    category, G children take one SDE step at step k and follow the ODE to t = 0; the std of their final rewards,
-    per category and step, and each step's share of the sum over steps -> step_spread.png and .json in --out."""
+    """Which steps decide the image (TempFlow's and G2RPO's premise), by TempFlow's branching with one seed at every
+    step: from the ODE path of `spread` prompts a category, G children take one SDE step at step k and the ODE to
+    t = 0; the std of their rewards per category and step, and each step's share of their sum -> step_spread.png in --out."""
     validate(args)
-    device = resolve_device(args.device)
+    args, device = dataclasses.replace(args, seeds=1, branch_steps=0), resolve_device(args.device)
     policy, reward_fn = load_policy(args, device), build_reward(args, device)
     metas = eval_prompts(args.spread, seed=99) if args.model == "toy" else prompt_sets(args)[1][: args.spread]
     ctx = Context(policy, args, Meter(), generator(args.seed, "spread"), metas,
                   policy.encode([m["prompt"] for m in metas]), policy.time_grid(args.steps), reward_fn)
-    b, g, s, tags = len(metas), args.group_size, args.steps, [m.get("tag", "prompt") for m in metas]
-    prompt, child = torch.arange(b), repeat(torch.arange(b), args.group_size)  # (B,), (B*G,)
-    path = ctx.rollout(prompt, initial_noise(policy, b, ctx.gen), ctx.grid, [False] * s)
-    spread = {}  # step k -> (B,) std of the children's rewards
-    for k in tqdm(torch.nonzero(ctx.trainable).flatten().tolist(), desc="children at each step"):
-        branch = ctx.rollout(child, repeat(path.states[:, k], g), ctx.grid[k:], [True] + [False] * (s - k - 1))
-        spread[k] = ctx.reward(branch.states[:, -1], child).view(b, g).float().std(1).cpu()
-    ks, total = list(spread), sum(float(v.mean()) for v in spread.values())
-    result = {"t": [float(ctx.grid[k]) for k in ks], "share": {k: float(v.mean()) / total for k, v in spread.items()},
-              **{tag: {k: by_category(v, tags, tag)[0] for k, v in spread.items()} for tag in dict.fromkeys(tags)}}
+    transitions, r = tempflow(ctx)  # r: (K*B*G,) the children's rewards, step by step
+    ks, tags = transitions.step.unique().tolist(), [m.get("tag", "prompt") for m in metas]
+    spread = r.view(len(ks), len(metas), args.group_size).float().std(2).cpu()  # (K, B)
+    result = {"t": ctx.grid[ks].tolist(), "share": dict(zip(ks, (spread.mean(1) / spread.mean(1).sum()).tolist())),
+              **{tag: {k: by_category(v, tags, tag)[0] for k, v in zip(ks, spread)} for tag in dict.fromkeys(tags)}}
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "step_spread.json").write_text(json.dumps(result, indent=1))
     line_plots([("step k (its time t_k falls from 1)", "std of the final reward among children",
                  {tag: (ks, list(result[tag].values())) for tag in dict.fromkeys(tags)}),
                 ("step k", "share of the spread summed over steps", {"all": (ks, list(result["share"].values()))})],
