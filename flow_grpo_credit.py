@@ -49,12 +49,14 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import fcntl
 import hashlib
 import json
 import math
 import os
 import random
 import re
+import signal
 import sys
 import textwrap
 import time
@@ -156,7 +158,7 @@ class Args:
     resolution: int = 512  # image size of a real model (the toy world is 16 px)
     dtype: str = "auto"  # fp32 or bf16 weights of a real model (auto: bf16 on CUDA); the SDE math stays fp32
     low_memory: bool = False  # real models, the 24 GB recipe: gradient checkpointing, text encoders on the CPU
-    micro_batch: int = 0  # samples per forward (+ backward) pass in training, evaluation, decoding (0: all)
+    micro_batch: int = 0  # samples per pass in sampling, training, reward, evaluation (0: all on toy, 4 on real models)
     iterations: int = 0  # GRPO iterations (sample, score, update); 0: the method's default (~5 toy minutes)
     prompts_per_iter: int = 8  # prompts sampled per iteration
     group_size: int = 8  # images (or branches) that share one advantage normalisation
@@ -855,9 +857,11 @@ class Context:
         return rollout(self.policy, self.cond_of(prompt), x, times, stochastic, self.args, self.meter, self.gen)
 
     def reward(self, x: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
-        """Decode and score latents x (N, C, H, W) of prompts `prompt` (N,) -> (N,)."""
+        """Decode and score latents x (N, C, H, W) of prompts `prompt` (N,) -> (N,), `micro_batch` at a time."""
         self.meter.reward_calls += len(x)
-        return self.reward_fn(self.policy.decode(x), [self.metas[i] for i in prompt.tolist()]).to(x.device)
+        size = self.args.micro_batch or len(x)
+        return torch.cat([self.reward_fn(self.policy.decode(xs), [self.metas[i] for i in ps.tolist()]).to(x.device)
+                          for xs, ps in zip(x.split(size), prompt.split(size))])
 
     def advantages(self, r: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
         """group_normalise of whole groups, gathered over ranks; each rank keeps its own samples' advantages."""
@@ -1208,9 +1212,18 @@ def validate(args: Args) -> None:
         raise UsageError("--reward toy scores the built-in toy prompts on the toy model; use pickscore or clip here")
     if args.prompts and not Path(args.prompts).is_file():
         raise UsageError(f"--prompts {args.prompts}: no such file (one prompt a line is expected)")
-    parse_chunks(args.chunks, int(trainable_steps(time_grid(args.steps), args).sum()))
+    trainable = trainable_steps(time_grid(args.steps), args)
+    if not (trainable & (torch.arange(args.steps) < args.steps // 2 if args.method == "g2rpo" else True)).any():
+        raise UsageError(f"--method {args.method} with --sde {args.sde} and --steps {args.steps} has no step to train "
+                         "(the last is never trained; g2rpo trains the first half); use more --steps")
+    parse_chunks(args.chunks, int(trainable.sum()))
     parse_ints(args.compare_seeds, "--compare-seeds", "0,1,2")
     resolve_device(args.device)
+
+def resolved(args: Args) -> Args:
+    """`args` with the defaults that depend on other flags filled in: the method's iterations, real micro-batches."""
+    return dataclasses.replace(args, iterations=args.iterations or DEFAULT_ITERATIONS.get(args.method, 0),
+                               micro_batch=args.micro_batch or (0 if args.model == "toy" else 4))
 
 def prompt_sets(args: Args) -> tuple[list[dict] | None, list[dict]]:
     """(training, held-out) prompts: the toy generator (None) and toy-GenEval's, or --prompts, every 10th held out."""
@@ -1268,7 +1281,7 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
     folder, continues from its checkpoint. Under torchrun DDP averages gradients, rank 0 evaluates and writes."""
     from diffusers.training_utils import EMAModel
     validate(args)
-    args = dataclasses.replace(args, iterations=args.iterations or DEFAULT_ITERATIONS[args.method])
+    args = resolved(args)
     dist = Dist.setup(resolve_device(args.device))
     if args.group_size % dist.world:
         raise UsageError(f"--group-size {args.group_size} must be a multiple of the {dist.world} ranks")
@@ -1279,6 +1292,12 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
             run.mkdir(parents=True)
         except OSError as e:
             raise UsageError(f"--out {args.out!r}: cannot create the run folder {run} ({e.strerror or e})") from None
+    if writer:  # one writer per run folder: the lock is the process's until it exits
+        lock = (run / ".lock").open("w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(f"{run} is being written by another process; stop it (or let it finish) first") from None
     ema = EMAModel(s.params, decay=args.ema)  # Flow-GRPO's warm-up, min((1+n)/(10+n), decay); evaluated and saved
     state = load_checkpoint(run, s.policy, s.opt, ema) if resume else {"iteration": 0, "meter": {}, "wall": 0.0,
                                                                         "base_scores": None}
@@ -1315,8 +1334,8 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
         transitions, rewards = CREDIT_ASSIGNMENT[args.method](ctx)
         finite = bool(dist.reduce(torch.isfinite(rewards).all() & torch.isfinite(transitions.advantage).all(), "min"))
         stats = update(s.policy, s.opt, ctx.cond, transitions, args, ctx.gen, dist) if finite else {"skipped": 1.0}
-        if not stats.get("skipped"):  # training (+ reference) passes actually run
-            meter.nfe += stats.get("trained", 0) * (2 if args.beta > 0 else 1) * s.policy.passes
+        if stats.get("trained"):  # optimizer steps taken: their training (+ reference) passes count
+            meter.nfe += stats["trained"] * (2 if args.beta > 0 else 1) * s.policy.passes
             ema.step(s.params)
         wall += time.time() - start
         bad_in_row = bad_in_row + 1 if stats.get("skipped") else 0
@@ -1510,7 +1529,10 @@ def compare(args: Args, folder: str | None = None) -> Path:
     return folder
 
 def train_in_process(args: Args, resume: str | None, threads: int) -> list[dict]:
-    """One run of a comparison in a worker process, on its share of the CPU threads."""
+    """One run of a comparison in a worker process, on its share of the CPU threads; it ends with its parent."""
+    if sys.platform == "linux":  # PR_SET_PDEATHSIG: SIGTERM when the comparison's process dies
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
     torch.set_num_threads(threads)
     os.environ["TQDM_DISABLE"] = "1"  # bars of parallel runs would overwrite each other
     return train(args, resume)
@@ -1564,9 +1586,9 @@ def plot_comparison(evals: dict, path: Path) -> None:
 def step_spread(args: Args) -> dict:
     """Which steps decide the image (TempFlow's and G2RPO's premise), by TempFlow's branching with one seed at every
     step: from the ODE path of `spread` prompts a category, G children take one SDE step at step k and the ODE to
-    t = 0; the std of their rewards per category and step, and each step's share of their sum -> step_spread.png in --out."""
+    t = 0; the std of their rewards per category and step, and each share of their sum -> --out/step_spread.png."""
     validate(args)
-    args, device = dataclasses.replace(args, seeds=1, branch_steps=0), resolve_device(args.device)
+    args, device = dataclasses.replace(resolved(args), seeds=1, branch_steps=0), resolve_device(args.device)
     policy, reward_fn = load_policy(args, device), build_reward(args, device)
     metas = eval_prompts(args.spread, seed=99) if args.model == "toy" else prompt_sets(args)[1][: args.spread]
     ctx = Context(policy, args, Meter(), generator(args.seed, "spread"), metas,
@@ -1588,7 +1610,9 @@ def benchmark(args: Args) -> dict:
     """Seconds per phase of `args.benchmark` iterations after an untimed warm-up one, images per second and
     peak memory. Nothing is written."""
     validate(args)
-    dist = Dist(device=resolve_device(args.device))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("--benchmark measures one process on one device; run it without torchrun")
+    args, dist = resolved(args), Dist(device=resolve_device(args.device))
     s, cuda = setup(args, dist), dist.device.type == "cuda"
     spent, sync = collections.Counter(), torch.cuda.synchronize if cuda else (lambda: None)
 

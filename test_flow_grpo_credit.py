@@ -800,6 +800,7 @@ def test_every_flag_is_an_args_field_whose_comment_is_its_help(capsys, monkeypat
     (["--steps", "three"], "--steps: invalid int value: 'three'"),
     (["--method", "chunk", "--chunks", "2,2"], "summing to the 9 trained steps"),
     (["--method", "g2rpo", "--granularities", "1,0"], "--granularities"),
+    (["--method", "g2rpo", "--sde", "ddim", "--steps", "3"], "has no step to train"),
     (["--sde", "euler"], "flow, ddim, cps"),
     (["--sde", "cps", "--noise-level", "1.5"], "--noise-level of the cps SDE must be in (0, 1]"),
     (["--pretrain-detailed", "1.5"], "--pretrain-detailed must be in [0, 1]"),
@@ -816,6 +817,29 @@ def test_bad_input_is_a_one_line_error_with_status_2(argv, needle, tmp_path):
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_benchmark_under_torchrun_is_a_one_line_error(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert fgc.main(["--benchmark", "1"]) == 2
+    assert "without torchrun" in capsys.readouterr().err
+
+
+def test_the_reward_decodes_and_scores_micro_batch_images_at_a_time():
+    """Stepwise scores B*G*S images an iteration: the reward takes them `micro_batch` at a time, and real
+    models get a micro-batch of 4 unless told otherwise (the toy: all at once)."""
+    sizes = []
+
+    def reward(images, metas):
+        sizes.append(len(images))
+        return images.mean((1, 2, 3))
+
+    ctx = ctx_for({"micro_batch": 3}, reward=reward)
+    x = torch.randn(8, 3, 16, 16)
+    r = ctx.reward(x, torch.zeros(8, dtype=torch.long))
+    assert sizes == [3, 3, 2] and torch.allclose(r, ctx.policy.decode(x).mean((1, 2, 3)))
+    assert fgc.resolved(fgc.Args(model="./sd3")).micro_batch == 4 and fgc.resolved(fgc.Args()).micro_batch == 0
+    assert fgc.resolved(fgc.Args(model="./sd3", micro_batch=2)).micro_batch == 2
 
 
 def test_moving_average_warms_up_as_flow_grpo_and_ema_applied_restores_the_live_weights():
@@ -1005,6 +1029,28 @@ def test_a_run_counts_groups_with_equal_rewards_and_trains_only_the_others(tiny_
         assert h["zero_std_frac"] == 0.5 and h["trained"] == h["transitions"] // 2 > 0
     sampling = 2 * 2 * 4  # 2 prompts x group 2, 4 steps a trajectory
     assert steps[0]["nfe"] == sampling + steps[0]["trained"]
+
+
+def test_a_second_writer_of_a_run_folder_is_a_one_line_error(tiny_run, tmp_path):
+    """A run folder has one writer: while a process holds it, a --resume of the same folder is refused."""
+    import fcntl
+    import shutil
+    args, run, _ = tiny_run
+    copy = tmp_path / run.name
+    shutil.copytree(run, copy)
+    with (copy / ".lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(fgc.UsageError, match="being written by another process"):
+            fgc.train(dataclasses.replace(args, iterations=3), str(copy))
+
+
+def test_the_moving_average_steps_only_after_an_optimizer_step(tiny_cache, tmp_path, monkeypatch):
+    """Every group flat: no optimizer step is taken, so the adapter's moving average does not step either."""
+    monkeypatch.setattr(fgc, "toy_strict_reward", lambda images, metas, penalty: torch.zeros(len(images)))
+    history = fgc.train(tiny_args(tiny_cache, tmp_path, iterations=2))
+    state = torch.load(next(tmp_path.iterdir()) / "checkpoint.pt", weights_only=True)
+    assert all(h["zero_std_frac"] == 1 and "trained" not in h for h in history if "reward_mean" in h)
+    assert state["ema"]["optimization_step"] == 0
 
 
 def test_saved_lora_loads_into_a_fresh_unet_with_diffusers(tiny_run):
@@ -1489,6 +1535,31 @@ def test_method_all_writes_a_table_scored_within_equal_budgets(tiny_cache, tmp_p
         assert gains == pytest.approx([e[-1][f"eval_{key}"] - e[0][f"eval_{key}"] for e in stepwise])
         first = f"{gains[0]:+.3f} ± {stepwise[0][-1][f'gain_{key}_se']:.3f}"
         assert row[column].startswith(f"{np.mean(gains):+.3f} ({first}")
+
+
+def test_the_workers_of_a_parallel_comparison_end_with_their_parent(tiny_cache, tmp_path):
+    """Killing the comparison's process (SIGKILL: no clean-up runs) ends its worker processes too, so that no
+    orphan keeps writing a run folder that a --resume then writes again."""
+    import signal
+    import time
+    args = tiny_args(tiny_cache, tmp_path, compare_seeds="0,1", iterations=500, jobs=2)
+    code = f"import flow_grpo_credit as f; f.compare(f.{args!r})"
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def children():
+        status = {p: Path(f"/proc/{p}/status").read_text() for p in os.listdir("/proc") if p.isdigit()}
+        return [int(p) for p, text in status.items() if f"PPid:\t{parent.pid}\n" in text]
+
+    deadline = time.time() + 120
+    while len(list(tmp_path.glob("compare-*/*/metrics.jsonl"))) < 2 and time.time() < deadline:
+        time.sleep(0.5)
+    workers = children()
+    assert workers, "the comparison started no worker"
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    time.sleep(3)
+    assert not [w for w in workers if Path(f"/proc/{w}").exists() and "Z" not in Path(f"/proc/{w}/stat").read_text()]
 
 
 def test_parallel_comparison_repeats_each_run_exactly_and_resumes_to_more_iterations(tiny_cache, tmp_path):
