@@ -56,7 +56,6 @@ import math
 import os
 import random
 import re
-import signal
 import sys
 import textwrap
 import time
@@ -207,7 +206,6 @@ class Args:
     checkpoint_every: int = 10  # write checkpoint.pt every N iterations (and at the end); --resume RUN_DIR continues
     max_nonfinite: int = 3  # stop after this many iterations in a row with non-finite rewards, advantages or loss
     compare_seeds: str = "0"  # with --method all (or a list a,b): the seeds every method runs with, e.g. 0,1,2
-    jobs: int = 1  # with several runs: how many run at once, in processes that share the CPU threads
     benchmark: int = 0  # time N iterations (after a warm-up one): seconds per phase, images per second, memory
     spread: int = 0  # where the image is decided: N prompts a category, G children branching at each step (plot)
 
@@ -1186,7 +1184,7 @@ RULES = {  # what a valid value of each flag is, and how to tell
     ">= 0": (["micro_batch", "noise_level", "extra_penalty", "beta", "lora_rank", "lora_alpha", "branch_steps",
               "benchmark", "spread"], lambda v: v >= 0),
     ">= 1": (["prompts_per_iter", "eval_steps", "eval_every", "eval_per_tag", "inner_updates", "tweedie_substeps",
-              "seeds", "num_chunks", "pretrain_steps", "checkpoint_every", "max_nonfinite", "jobs"], lambda v: v >= 1),
+              "seeds", "num_chunks", "pretrain_steps", "checkpoint_every", "max_nonfinite"], lambda v: v >= 1),
     "0 or >= 1": (["guidance"], lambda v: v == 0 or v >= 1),
     "in [0, 1)": (["ema"], lambda v: 0 <= v < 1),
     "in [0, 1]": (["pretrain_detailed"], lambda v: 0 <= v <= 1),
@@ -1299,8 +1297,7 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
         except BlockingIOError:
             raise UsageError(f"{run} is being written by another process; stop it (or let it finish) first") from None
     ema = EMAModel(s.params, decay=args.ema)  # Flow-GRPO's warm-up, min((1+n)/(10+n), decay); evaluated and saved
-    state = load_checkpoint(run, s.policy, s.opt, ema) if resume else {"iteration": 0, "meter": {}, "wall": 0.0,
-                                                                        "base_scores": None}
+    state = load_checkpoint(run, s.policy, s.opt, ema) if resume else {"iteration": 0, "meter": {}, "wall": 0.0}
     meter, history, wall = Meter(**state["meter"]), state.get("history", []), state["wall"]
     start_it, bad_in_row = state["iteration"] + 1, 0
     if writer:
@@ -1498,44 +1495,26 @@ def plot_curves(history: list[dict], path: Path, label: str) -> None:
     line_plots([("iteration", "training reward", reward), ("iteration", "held-out score (ODE)", scores)], path)
 
 def compare(args: Args, folder: str | None = None) -> Path:
-    """`--method all` (or a list a,b, or several --compare-seeds): every method with the same seeds, `--jobs` at
-    a time -> comparison.md and .png. `--resume` continues every run."""
+    """`--method all` (or a list a,b, or several --compare-seeds): every method with the same seeds, one run after
+    another -> comparison.md and .png. `--resume` continues every run."""
     seeds = parse_ints(args.compare_seeds, "--compare-seeds")
     methods = list(CREDIT_ASSIGNMENT) if args.method == "all" else args.method.split(",")
     folder = Path(folder) if folder else Path(args.out) / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
     for m in methods:  # every method's flags, before the first run starts
         validate(dataclasses.replace(args, method=m))
-    runs = [dataclasses.replace(args, method=m, seed=seed, compare_seeds=str(seed), jobs=1, out=str(folder))
+    runs = [dataclasses.replace(args, method=m, seed=seed, compare_seeds=str(seed), out=str(folder))
             for m in methods for seed in seeds]  # each run's args.json says one run
     started = [sorted(folder.glob(f"{a.method}-seed{a.seed}-*/checkpoint.pt")) for a in runs]
     resumes = [str(found[-1].parent) if found else None for found in started]  # what --resume continues
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-    if args.jobs == 1:
-        histories = [train(a, r) for a, r in zip(runs, resumes)]
-    else:
-        import concurrent.futures
-        if args.model == "toy" and args.pretrain:
-            load_toy(args, torch.device("cpu"))  # pretrain once here, not in every worker at once
-        print(f"{len(runs)} runs, {args.jobs} at a time; progress is in {folder}/**/metrics.jsonl")
-        spawn, threads = torch.multiprocessing.get_context("spawn"), max(1, torch.get_num_threads() // args.jobs)
-        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=spawn) as pool:
-            histories = list(pool.map(train_in_process, runs, resumes, [threads] * len(runs)))
+    histories = [train(a, r) for a, r in zip(runs, resumes)]
     evals = [[h for h in history if "eval_overall" in h] for history in histories]  # (methods * seeds) runs
     evals = {m: evals[i * len(seeds):(i + 1) * len(seeds)] for i, m in enumerate(methods)}
     (folder / "comparison.md").write_text(comparison_table(evals, seeds, args))
     plot_comparison(evals, folder / "comparison.png")
     print((folder / "comparison.md").read_text())
     return folder
-
-def train_in_process(args: Args, resume: str | None, threads: int) -> list[dict]:
-    """One run of a comparison in a worker process, on its share of the CPU threads; it ends with its parent."""
-    if sys.platform == "linux":  # PR_SET_PDEATHSIG: SIGTERM when the comparison's process dies
-        import ctypes
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
-    torch.set_num_threads(threads)
-    os.environ["TQDM_DISABLE"] = "1"  # bars of parallel runs would overwrite each other
-    return train(args, resume)
 
 def comparison_table(evals: dict, seeds: list[int], args: Args) -> str:
     """comparison.md: per method, mean ± std over seeds of held-out scores at start, end and equal nfe."""

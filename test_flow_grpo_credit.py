@@ -804,7 +804,6 @@ def test_every_flag_is_an_args_field_whose_comment_is_its_help(capsys, monkeypat
     (["--sde", "euler"], "flow, ddim, cps"),
     (["--sde", "cps", "--noise-level", "1.5"], "--noise-level of the cps SDE must be in (0, 1]"),
     (["--pretrain-detailed", "1.5"], "--pretrain-detailed must be in [0, 1]"),
-    (["--method", "all", "--jobs", "0"], "--jobs must be >= 1"),
     (["--device", "cuda"], "no CUDA"),
     (["--out", "/proc/forbidden"], "cannot create"),
 ])
@@ -970,7 +969,8 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_cache, tmp_pat
     assert a["lora"].keys() == b["lora"].keys() and all(torch.equal(a["lora"][k], b["lora"][k]) for k in a["lora"])
     shadows = zip(a["ema"]["shadow_params"], b["ema"]["shadow_params"], strict=True)
     assert all(torch.equal(x, y) for x, y in shadows)
-    assert a["ema"]["optimization_step"] == b["ema"]["optimization_step"] == 4
+    stepped = sum(1 for h in full if h.get("trained"))  # iterations that took optimizer steps
+    assert a["ema"]["optimization_step"] == b["ema"]["optimization_step"] == stepped > 0
 
 
 def test_chunk_boundaries_come_from_the_base_model_also_when_a_run_resumes(tiny_cache, tmp_path, monkeypatch):
@@ -1537,40 +1537,10 @@ def test_method_all_writes_a_table_scored_within_equal_budgets(tiny_cache, tmp_p
         assert row[column].startswith(f"{np.mean(gains):+.3f} ({first}")
 
 
-def test_the_workers_of_a_parallel_comparison_end_with_their_parent(tiny_cache, tmp_path):
-    """Killing the comparison's process (SIGKILL: no clean-up runs) ends its worker processes too, so that no
-    orphan keeps writing a run folder that a --resume then writes again."""
-    import signal
-    import time
-    args = tiny_args(tiny_cache, tmp_path, compare_seeds="0,1", iterations=500, jobs=2)
-    code = f"import flow_grpo_credit as f; f.compare(f.{args!r})"
-    parent = subprocess.Popen([sys.executable, "-c", code], cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def children():
-        status = {p: Path(f"/proc/{p}/status").read_text() for p in os.listdir("/proc") if p.isdigit()}
-        return [int(p) for p, text in status.items() if f"PPid:\t{parent.pid}\n" in text]
-
-    deadline = time.time() + 120
-    while len(list(tmp_path.glob("compare-*/*/metrics.jsonl"))) < 2 and time.time() < deadline:
-        time.sleep(0.5)
-    workers = children()
-    assert workers, "the comparison started no worker"
-    parent.send_signal(signal.SIGKILL)
-    parent.wait()
-    time.sleep(3)
-    assert not [w for w in workers if Path(f"/proc/{w}").exists() and "Z" not in Path(f"/proc/{w}/stat").read_text()]
-
-
-def test_parallel_comparison_repeats_each_run_exactly_and_resumes_to_more_iterations(tiny_cache, tmp_path):
-    args = tiny_args(tiny_cache, tmp_path / "runs", compare_seeds="0,1", iterations=2, eval_every=1, jobs=2)
-    folder = fgc.compare(args)  # two runs at once, in two processes
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads // 2))  # the worker's share: the thread count changes float sums
-    try:
-        alone = fgc.train(dataclasses.replace(args, seed=1, out=str(tmp_path / "alone")))
-    finally:
-        torch.set_num_threads(threads)
+def test_a_comparison_repeats_each_run_exactly_and_resumes_to_more_iterations(tiny_cache, tmp_path):
+    args = tiny_args(tiny_cache, tmp_path / "runs", compare_seeds="0,1", iterations=2, eval_every=1)
+    folder = fgc.compare(args)
+    alone = fgc.train(dataclasses.replace(args, seed=1, out=str(tmp_path / "alone")))
     runs = sorted(run for run in folder.iterdir() if run.is_dir())
 
     def records(run):
