@@ -1488,11 +1488,18 @@ def line_plots(panels: list[tuple[str, str, dict]], path: Path) -> None:
 SCORES = ("eval_overall", "eval_strict", "eval_extra")  # the held-out scores plotted (the last two: toy only)
 
 def plot_curves(history: list[dict], path: Path, label: str) -> None:
-    """Training reward, and the held-out scores, against iterations."""
+    """Training reward, the held-out scores and the credit map (mean |advantage| of each step, and the share of
+    flat groups, which get none) against iterations."""
     train, evals = [h for h in history if "reward_mean" in h], [h for h in history if "eval_overall" in h]
-    reward = {label: ([h["iteration"] for h in train], [h["reward_mean"] for h in train])}
+    its = [h["iteration"] for h in train]
+    reward = {label: (its, [h["reward_mean"] for h in train])}
     scores = {k: ([h["iteration"] for h in evals], [h[k] for h in evals]) for k in SCORES if k in evals[0]}
-    line_plots([("iteration", "training reward", reward), ("iteration", "held-out score (ODE)", scores)], path)
+    steps = sorted({k for h in train for k in h if k.startswith("adv_abs/")}, key=lambda k: int(k[8:]))
+    credit = {f"step {k[8:]}": (its, [h.get(k, 0.0) for h in train]) for k in steps}
+    flat = {label: (its, [h["zero_std_frac"] for h in train])}
+    line_plots([("iteration", "training reward", reward), ("iteration", "held-out score (ODE)", scores),
+                ("iteration", "mean |advantage| of the step", credit),
+                ("iteration", "groups of equal rewards (zero_std_frac)", flat)], path)
 
 def compare(args: Args, folder: str | None = None) -> Path:
     """`--method all` (or a list a,b, or several --compare-seeds): every method with the same seeds, one run after
