@@ -1296,7 +1296,7 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise UsageError(f"{run} is being written by another process; stop it (or let it finish) first") from None
-    ema = EMAModel(s.params, decay=args.ema)  # Flow-GRPO's warm-up, min((1+n)/(10+n), decay); evaluated and saved
+    ema = EMAModel(s.params, decay=args.ema)  # warm-up min((1+n)/(10+n), decay) over its own updates, not steps
     state = load_checkpoint(run, s.policy, s.opt, ema) if resume else {"iteration": 0, "meter": {}, "wall": 0.0}
     meter, history, wall = Meter(**state["meter"]), state.get("history", []), state["wall"]
     start_it, bad_in_row = state["iteration"] + 1, 0
@@ -1424,9 +1424,10 @@ def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None
         part_metas = [metas[i] for i in part.tolist()]
         x = rollout(policy, policy.encode([m["prompt"] for m in part_metas]), noise[part.to(noise.device)], grid,
                     [False] * args.eval_steps, args, Meter()).states[:, -1]
-        images.append(policy.decode(x))
-        rewards.append((reward_fn or build_reward(args, policy.device))(images[-1], part_metas).float().cpu())
-    images, rewards, tags = torch.cat(images).cpu(), torch.cat(rewards), [m.get("tag", "prompt") for m in metas]
+        image = policy.decode(x)
+        rewards.append((reward_fn or build_reward(args, policy.device))(image, part_metas).float().cpu())
+        images.append(image.cpu())  # only the part being scored stays on the device
+    images, rewards, tags = torch.cat(images), torch.cat(rewards), [m.get("tag", "prompt") for m in metas]
     if args.model != "toy":
         mean, se = by_category(rewards, tags)
         return {"eval_overall": mean, "eval_se": se, "eval_reward": mean}, images, metas, {"reward": rewards}
