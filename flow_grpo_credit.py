@@ -1419,13 +1419,13 @@ def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None
     mean held-out reward, ± eval_se (s.e.)."""
     metas = metas or eval_prompts(args.eval_per_tag)
     grid, noise = policy.time_grid(args.eval_steps), initial_noise(policy, len(metas), generator("eval-noise"))
-    images, rewards = [], []
+    images, rewards, reward_fn = [], [], reward_fn or build_reward(args, policy.device)
     for part in torch.arange(len(metas)).split(args.micro_batch or len(metas)):
         part_metas = [metas[i] for i in part.tolist()]
         x = rollout(policy, policy.encode([m["prompt"] for m in part_metas]), noise[part.to(noise.device)], grid,
                     [False] * args.eval_steps, args, Meter()).states[:, -1]
         image = policy.decode(x)
-        rewards.append((reward_fn or build_reward(args, policy.device))(image, part_metas).float().cpu())
+        rewards.append(reward_fn(image, part_metas).float().cpu())
         images.append(image.cpu())  # only the part being scored stays on the device
     images, rewards, tags = torch.cat(images), torch.cat(rewards), [m.get("tag", "prompt") for m in metas]
     if args.model != "toy":
@@ -1527,13 +1527,13 @@ def compare(args: Args, folder: str | None = None) -> Path:
 def comparison_table(evals: dict, seeds: list[int], args: Args) -> str:
     """comparison.md: per method, mean ± std over seeds of held-out scores at start, end and equal nfe."""
     last = [run[-1] for runs in evals.values() for run in runs]
-    budgets = {"nfe": min(e["nfe"] for e in last)}
+    budget = min(e["nfe"] for e in last)  # forward passes
 
     def cell(values):
         return f"{np.mean(values):.3f} ± {np.std(values):.3f}"
 
-    def at(runs, key):  # the last evaluation within the budget
-        return cell([[e for e in run if e[key] <= budgets[key]][-1]["eval_overall"] for run in runs])
+    def at_budget(runs):  # the last evaluation within the budget
+        return cell([[e for e in run if e["nfe"] <= budget][-1]["eval_overall"] for run in runs])
 
     def gains(final, name):  # the mean gain, then each seed's ± its paired standard error
         per_seed = ", ".join(f"{e[f'gain_{name}']:+.3f} ± {e[f'gain_{name}_se']:.3f}" for e in final)
@@ -1549,13 +1549,13 @@ def comparison_table(evals: dict, seeds: list[int], args: Args) -> str:
                  gains(final, "overall"),
                  *(f"{np.mean([e[k] for e in base]):.3f} → {cell([e[k] for e in final])}" for k in toy),
                  *([gains(final, "strict")] if toy else []),
-                 at(runs, "nfe"), f"{np.mean([e['nfe'] / e['iteration'] for e in final]):.0f}"]
+                 at_budget(runs), f"{np.mean([e['nfe'] / e['iteration'] for e in final]):.0f}"]
         rows.append(f"| {m} | " + " | ".join(cells) + " |")
     score = "toy-GenEval overall (GenEval's rule)" if toy else "reward"
     iterations = args.iterations or "each method's default number of"
     note = (f"Held-out {score}, mean ± std over seeds {seeds}; {iterations} iterations. A gain is paired: the same "
             f"prompts and noise before and after, its standard error over prompts beside it. Equal budget: "
-            f"{budgets['nfe']:.3g} forward passes (the smallest final value of all runs).")
+            f"{budget:.3g} forward passes (the smallest final value of all runs).")
     return note + "\n\n" + "\n".join(rows) + "\n"
 
 def plot_comparison(evals: dict, path: Path) -> None:

@@ -1510,8 +1510,9 @@ def test_method_all_writes_a_table_scored_within_equal_budgets(tiny_cache, tmp_p
     table = (folder / "comparison.md").read_text()
     rows = table_rows(table)
     assert set(rows) == {"flow_grpo", "stepwise"} and (folder / "comparison.png").exists()
-    assert list(rows["stepwise"]) == ["method", "base", "final", "gain (seeds ± paired s.e.)", "strict: base → final",
-                                      "extra: base → final", "strict gain (seeds ± paired s.e.)",
+    assert list(rows["stepwise"]) == ["method", "base", "final", "gain (seeds ± paired s.e.)",
+                                      "strict: base → final", "extra: base → final",
+                                      "strict gain (seeds ± paired s.e.)",
                                       "at equal nfe", "passes per iteration"]
     run_dirs = sorted(run for run in folder.iterdir() if run.is_dir())
     runs = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in run_dirs]
