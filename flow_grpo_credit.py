@@ -9,18 +9,28 @@ Five ways to credit the denoising steps of a flow model trained with GRPO, each 
     g2rpo      G2RPO               arXiv 2510.01982  one SDE step from a shared anchor, multi-granularity
     chunk      Chunk-GRPO          arXiv 2510.21583  one importance ratio per chunk of steps
 
-Conventions
-    * t = 1 is noise, t = 0 is data: x_t = (1 - t) x0 + t x1, the model predicts v = x1 - x0, the Tweedie estimate
-      is x0_hat = x_t - t v and the predicted noise x1_hat = x_t + (1 - t) v. Transition k maps t_k to t_{k+1} of a
-      grid 1 = t_0 > ... > t_S = 0 from diffusers' FlowMatchEulerDiscreteScheduler; the last is never trained.
-    * A step's Gaussian log-prob is a MEAN over the D = C*H*W dimensions, as in every official code, so the ratio is
-      the D-th root of the likelihood ratio, near 1: clip ranges are ~1e-3 here, ~1e-4 in the papers (PPO: 0.2).
-    * "sigma": `noise_level` (a, eta) scales an SDE's diffusion, `std` is a transition's; "r" is a reward, not `ratio`.
-    * Devices: ids, masks, counters on the CPU; what meets the model, a reward or a collective on `policy.device`. They
-      cross only in `Dist`, `Transitions` and `build_reward`. Noise is drawn on CPU generators: CPU and GPU runs match.
+Reading path: one Flow-GRPO iteration, in the order it runs
+    train (9) -> iteration_context: prompts, embeddings, generators -> flow_grpo (7): rollout (6), an sde_step (5)
+    at every step; Context.reward (4) of the final images; group_normalise (7), the GRPO advantage -> transitions_from
+    (6) -> update (8): minibatches -> accumulate_gradients -> grpo_loss -> transition_log_probs (sde_step again, at
+    the stored x_{k+1}) -> AdamW step -> the adapter's moving average (9) -> evaluate (10) every `eval_every`.
 
-Symbols in shape comments: B prompts, G images per group (or branches), S steps of a grid,
-N transitions, K chunks, C/H/W latent (the toy world's latent is the 3 x 16 x 16 image).
+Paper symbols and their names here (x_t = (1 - t) x0 + t x1: t = 1 is noise, t = 0 data; the model predicts v = x1 - x0)
+    k, its direction  transition k maps t_k to t_{k+1} on a grid 1 = t_0 > ... > t_S = 0 (diffusers' scheduler):
+                      k counts UP from the noise, and x_0 here is the noise state. The papers count DOWN (x_T ->
+                      x_0, their x_0 or r_0 the final image): Stepwise's g_t = r_{t-1} - r_t is gain[:, k] here
+    Delta_k           `dt` = t_k - t_{k+1} > 0 (Flow-GRPO's code: sigma_prev - sigma < 0, the same step)
+    sigma_t           the flow SDE's a sqrt(t / (1 - t)), with a = `noise_level` (eta of ddim and cps): sde_step
+    s_k               `std`, the transition's std: sigma_t sqrt(Delta_k) under the flow SDE (step_stds)
+    x0_hat, x1_hat    Tweedie's x_t - t v and x_t + (1 - t) v: sde_step; Stepwise's `tweedie_x0` adds ODE sub-steps
+    A_i (A_i^k)       `advantage`: group_normalise of rewards r (or gains), per image (or per step)
+    rho               `ratio` in grpo_loss; `r` is always a reward
+    B, G, S           `b` prompts, `g` images per group (or branches), `n_steps` steps; N transitions, K chunks and
+                      C/H/W latent (the toy's latent is the 3 x 16 x 16 image) in shape comments
+A step's Gaussian log-prob is a MEAN over the D = C*H*W dimensions, as in every official code, so the ratio is the D-th
+root of the likelihood ratio, near 1 (grpo_loss says what this does to the clip range). Devices: ids, masks, counters
+on the CPU; what meets the model, a reward or a collective on `policy.device`; they cross only in `Dist`,
+`Transitions` and `build_reward`. Noise is drawn on CPU generators, so CPU and GPU runs match.
 
 Deviations from the papers and official codes, cited as "Deviation n" where the code makes them
     1. The toy world stands in for SD3.5 + GenEval. Its default reward, toy-strict, is GenEval's dense
@@ -178,7 +188,7 @@ class Args:
     ema: float = 0.9  # decay of the adapter's moving average (one update an iteration), evaluated and saved; 0: off
     inner_updates: int = 8  # optimizer steps per iteration (the samples are split into this many minibatches)
     train_fraction: float = 1.0  # fraction of the transitions (chunks) trained on, drawn at random (DanceGRPO)
-    clip_range: float = 1e-3  # PPO clip epsilon; small because the log-prob is a mean over dimensions
+    clip_range: float = 1e-3  # PPO clip epsilon of the per-dimension ratio: exp(D eps), 2.2, on the toy's image
     adv_clip: float = 5.0  # advantages are clamped to [-adv_clip, adv_clip]
     beta: float = 0.0  # weight of the per-step Gaussian KL to the reference (LoRA disabled); 0: no reference pass
     guidance: float = 0.0  # CFG scale on toy and SD3 (1: no negative branch), distilled on FLUX (0: 1, 4.5, 3.5)
@@ -370,7 +380,8 @@ def render_batch(metas: list[dict], rng: random.Random) -> torch.Tensor:
 
 class Policy:
     """What the methods sample and train through. A subclass sets `net` (the denoiser that carries the LoRA
-    adapter), `denoiser` (`net` or its DDP wrapper), `cfg` (real CFG scale, 1 = none), `empty` (the "" prompt)."""
+    adapter), `denoiser` (`net` or its DDP wrapper), `cfg` (real CFG scale, 1 = none), `empty` (the "" prompt),
+    and defines encode, forward, latent_shape, time_grid and decode."""
 
     @property
     def device(self):
@@ -388,9 +399,6 @@ class Policy:
         with torch.no_grad():
             v_uncond = self.forward(x, t, {k: e.expand(len(x), *e.shape[1:]) for k, e in self.empty.items()})
         return v_uncond + self.cfg * (v - v_uncond)
-
-    def time_grid(self, steps: int) -> torch.Tensor:
-        return time_grid(steps)
 
     def save_lora(self, folder: Path) -> None:
         """`pytorch_lora_weights.safetensors`, which pipelines' `load_lora_weights` and a UNet's `load_lora_adapter`
@@ -438,9 +446,10 @@ class ToyPolicy(Policy):
         self.cfg = guidance or 1.0
         self.empty = self.encode([""])
 
-    def encode(self, prompts: list[str]) -> dict:
+    def encode(self, prompts: list[str], device=None) -> dict:
         ids = self.tokenizer(prompts, padding="max_length", truncation=True, return_tensors="pt").input_ids
-        return {"encoder_hidden_states": self.text_encoder(ids.to(self.device)).last_hidden_state}  # (B, L, 64)
+        out = self.text_encoder(ids.to(self.device)).last_hidden_state  # (B, L, 64)
+        return {"encoder_hidden_states": out.to(device or self.device)}
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return self.denoiser(x, t * 1000, **cond).sample
@@ -525,7 +534,7 @@ class PipelinePolicy(Policy):
         if args.low_memory:
             self.net.enable_gradient_checkpointing()
         self.encoders = torch.nn.ModuleList(m for k, m in pipe.components.items() if k.startswith("text_encoder") and m)
-        self.cache = {}  # prompt -> its embeddings, on the CPU: each prompt is encoded once
+        self.cache = collections.OrderedDict()  # prompt -> its embeddings on the CPU, the least recently used first
         self.empty = self.encode([""])
 
     def latent_shape(self, n: int) -> tuple:
@@ -544,19 +553,29 @@ class PipelinePolicy(Policy):
             scheduler.set_timesteps(steps)
         return scheduler.sigmas.float().cpu()
 
+    cache_size = 1024  # prompts whose embeddings stay cached: 2.7 GB of host memory on SD3.5, 4.3 GB on FLUX.1
+
     @torch.no_grad()
-    def encode(self, prompts: list[str]) -> dict:
-        """The prompts' embeddings on the device, each prompt encoded once and cached on the CPU."""
-        if new := [p for p in dict.fromkeys(prompts) if p not in self.cache]:
+    def encode(self, prompts: list[str], device=None) -> dict:
+        """The prompts' embeddings (B, ...) on `device` (default: the model's). The text encoders run once for all
+        the new prompts, `micro_batch` at a time; the `cache_size` most recently used stay cached."""
+        found = {p: self.cache.pop(p) for p in dict.fromkeys(prompts) if p in self.cache}
+        if new := [p for p in dict.fromkeys(prompts) if p not in found]:
             self.encoders.to(self.device)  # --low-memory keeps them on the CPU between uses
-            if self.flux:
-                emb, pool, _ = self.pipe.encode_prompt(new, new, self.device, max_sequence_length=512)
-            else:  # the negative prompt "" is `empty`, encoded as a prompt of its own
-                emb, _, pool, _ = self.pipe.encode_prompt(new, new, new, self.device, do_classifier_free_guidance=False)
-            for p, e, q in zip(new, emb.cpu(), pool.cpu()):
-                self.cache[p] = {"encoder_hidden_states": e, "pooled_projections": q}
+            for part in np.array_split(new, math.ceil(len(new) / (self.args.micro_batch or len(new)))):
+                part = part.tolist()
+                if self.flux:
+                    emb, pool, _ = self.pipe.encode_prompt(part, part, self.device, max_sequence_length=512)
+                else:  # the negative prompt "" is `empty`, encoded as a prompt of its own
+                    emb, _, pool, _ = self.pipe.encode_prompt(part, part, part, self.device,
+                                                              do_classifier_free_guidance=False)
+                found |= {p: {"encoder_hidden_states": e, "pooled_projections": q}
+                          for p, e, q in zip(part, emb.cpu(), pool.cpu())}
             self.encoders.to("cpu" if self.args.low_memory else self.device)
-        return {k: torch.stack([self.cache[p][k] for p in prompts]).to(self.device) for k in self.cache[prompts[0]]}
+        self.cache.update(found)  # the prompts just used become the most recent
+        while len(self.cache) > self.cache_size:
+            self.cache.popitem(last=False)
+        return {k: torch.stack([found[p][k] for p in prompts]).to(device or self.device) for k in found[prompts[0]]}
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         dtype = self.net.dtype
@@ -726,9 +745,12 @@ def step_stds(grid: torch.Tensor, args: Args) -> torch.Tensor:
     return sde_step(z, z, grid[:-1], grid[1:], kind=args.sde, noise_level=args.sde_level, noise=z)[3]
 
 def trainable_steps(grid: torch.Tensor, args: Args) -> torch.Tensor:
-    """(S,) bool: stochastic under the SDE (std > 0) and not the last step (Flow-GRPO trains 0..S-2)."""
-    s = len(grid) - 1
-    return (step_stds(grid, args) > 0) & (torch.arange(s) < s - 1)
+    """(S,) bool: stochastic under the SDE (std > 0) and not the last step, as Flow-GRPO trains 0..S-2. The last
+    step's std is tiny (flow SDE: 0.009 on the toy's grid; ddim, cps: 0), so its log-density is dominated by
+    -log std and its score, noise / std, by 1 / std: it would outweigh every other step and swing the ratio past
+    any clip while moving the image by less than a pixel's rounding."""
+    n_steps = len(grid) - 1
+    return (step_stds(grid, args) > 0) & (torch.arange(n_steps) < n_steps - 1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -810,19 +832,19 @@ def transitions_from(traj: Trajectory, prompt: torch.Tensor, advantage, trained,
                      first_step: int = 0) -> Transitions:
     """The trained transitions of a trajectory batch. advantage, weight, chunk: a number, (S,), (B, 1) or
     (B, S); trained: (S,) or (B, S) bool; first_step: base-grid index of the first transition."""
-    b, s = traj.log_probs.shape
-    keep = torch.as_tensor(trained).expand(b, s).flatten().nonzero().flatten()  # (N,) CPU indices of the B*S steps
+    b, n_steps = traj.log_probs.shape
+    keep = torch.as_tensor(trained).expand(b, n_steps).flatten().nonzero().flatten()  # (N,) CPU indices of B*S steps
 
     def pick(value, on=traj.states.device):  # a number, (S,), (B, 1), (B, S) or (B, S, ...) -> (N, ...)
         value = torch.as_tensor(value).to(on)
-        return value.expand(b, s, *value.shape[2:]).flatten(0, 1)[keep.to(on)]
+        return value.expand(b, n_steps, *value.shape[2:]).flatten(0, 1)[keep.to(on)]
 
     return Transitions(
         x=pick(traj.states[:, :-1]), x_next=pick(traj.states[:, 1:]), t=pick(traj.times[:, :-1]),
         t_next=pick(traj.times[:, 1:]), log_prob=pick(traj.log_probs), std=pick(traj.stds),
         advantage=pick(advantage).float(), weight=pick(weight),
-        prompt=pick(prompt[:, None], "cpu"), step=pick(torch.arange(s) + first_step, "cpu"),
-        chunk=pick(torch.arange(b * s).view(b, s) if chunk is None else chunk, "cpu"))
+        prompt=pick(prompt[:, None], "cpu"), step=pick(torch.arange(n_steps) + first_step, "cpu"),
+        chunk=pick(torch.arange(b * n_steps).view(b, n_steps) if chunk is None else chunk, "cpu"))
 
 @dataclass
 class Context:
@@ -893,9 +915,9 @@ def flow_grpo(ctx: Context):
 
     All steps SDE from independent noises; one advantage per image, broadcast to every trained step (not the last):
         A_i = (R_i - mean_group R) / (std_group R + 1e-4)."""
-    b, g, s = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
+    b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
     prompt = repeat(torch.arange(b), g)  # (B*G,)
-    traj = ctx.rollout(prompt, initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, [True] * s)
+    traj = ctx.rollout(prompt, initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, [True] * n_steps)
     r = ctx.reward(traj.states[:, -1], prompt)  # (B*G,)
     adv = ctx.advantages(r, prompt)[:, None]  # (B*G, 1) -> every step
     return transitions_from(traj, prompt, adv, ctx.trainable), r
@@ -903,19 +925,22 @@ def flow_grpo(ctx: Context):
 def stepwise(ctx: Context):
     """Stepwise-Flow-GRPO (arXiv 2603.28718; Tweedie intermediate rewards and reward gains).
 
-    Reward of every state, r[i, k] = R(x0_hat(x_k)) for k = 0..S (`tweedie_substeps` ODE steps to t = 0); gains
-        g[i, k] = r[i, k+1] - r[i, k],   A = (g - mean_{i,k} g) / std_{i,k} g   over the prompt's group.
+    Reward of every state, r[i, k] = R(x0_hat(x_k)) for k = 0..S (`tweedie_substeps` ODE steps to t = 0; x_S is the
+    image itself), the papers' r_{T-k}; the gain of step k and its advantage over the prompt's (trajectory, step)s:
+        gain[i, k] = r[i, k+1] - r[i, k],   A = (gain - mean_{i,k} gain) / std_{i,k} gain.
     Differs from flow_grpo by: per-step gains instead of one broadcast advantage; shared initial noise per group."""
-    b, g, s, n = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1, ctx.args.tweedie_substeps
+    b, g, n_steps, n = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1, ctx.args.tweedie_substeps
     prompt = repeat(torch.arange(b), g)  # (B*G,)
-    traj = ctx.rollout(prompt, repeat(initial_noise(ctx.policy, b, ctx.shared_gen), g), ctx.grid, [True] * s)
+    traj = ctx.rollout(prompt, repeat(initial_noise(ctx.policy, b, ctx.shared_gen), g), ctx.grid, [True] * n_steps)
+    # k = 0: x_0 is the group's shared noise, so its estimate and reward are a group constant, computed once a group
+    first = [traj.states[::g, 0], traj.velocities[::g, 0], traj.times[::g, 0]]  # (B, ...) the group's first member
+    r_first = ctx.reward(tweedie_x0(ctx, torch.arange(b), *first, n), torch.arange(b))  # (B,)
+    # k = 1..S-1 by Tweedie from the sampled states, then k = S, the final image, as it is
     x, v, t = traj.states[:, 1:-1].flatten(0, 1), traj.velocities[:, 1:].flatten(0, 1), traj.times[:, 1:-1].flatten()
-    later = tweedie_x0(ctx, repeat(prompt, s - 1), x, v, t, n).view(b * g, s - 1, *x.shape[1:])
-    scored = torch.cat([later, traj.states[:, -1:]], 1)  # (B*G, S, C, H, W): x0_hat of k = 1..S-1, final image
-    r = ctx.reward(scored.flatten(0, 1), repeat(prompt, s)).view(b * g, s)
-    # k = 0 is the group's shared noise, so its estimate (and reward) is a group constant: once per group
-    start = tweedie_x0(ctx, torch.arange(b), traj.states[::g, 0], traj.velocities[::g, 0], traj.times[::g, 0], n)
-    r = torch.cat([repeat(ctx.reward(start, torch.arange(b)), g)[:, None], r], 1)  # (B*G, S+1)
+    x0_hat = tweedie_x0(ctx, repeat(prompt, n_steps - 1), x, v, t, n).view(b * g, n_steps - 1, *x.shape[1:])
+    scored = torch.cat([x0_hat, traj.states[:, -1:]], 1).flatten(0, 1)  # (B*G*S, C, H, W)
+    r_later = ctx.reward(scored, repeat(prompt, n_steps)).view(b * g, n_steps)  # (B*G, S)
+    r = torch.cat([repeat(r_first, g)[:, None], r_later], 1)  # (B*G, S+1)
     adv = gain_advantages(ctx, r, prompt)  # (B*G, S); the last step's gain is normalised, not trained (Deviation 6)
     return transitions_from(traj, prompt, adv, ctx.trainable), r[:, -1]
 
@@ -932,23 +957,24 @@ def gain_advantages(ctx: Context, r: torch.Tensor, prompt: torch.Tensor) -> torc
     return ctx.advantages(gains.flatten(), repeat(prompt, gains.shape[1])).view_as(gains)
 
 def tempflow(ctx: Context):
-    """TempFlow-GRPO (arXiv 2508.04324; trajectory branching, seed grouping, Eq. 8's noise-aware weights).
+    """TempFlow-GRPO (arXiv 2508.04324; trajectory branching, seed grouping, the noise-weighted objective of Eq. 7).
 
-    ODE main path per (prompt, seed); at a bifurcation step k, G children take one SDE step from its state s_k,
+    ODE path per (prompt, seed); at a bifurcation step k, G children take one SDE step from its state x_k,
     then ODE; advantage of R_k^j over the G children of (prompt, seed, k); weight w_k = std_k / mean_{trained} std.
     Differs from flow_grpo by: one stochastic step per rollout; per-step rewards; noise-aware weights."""
-    b, g, s, seeds = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1, ctx.args.seeds
+    b, g, n_steps, seeds = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1, ctx.args.seeds
     prompt = repeat(torch.arange(b), seeds)  # (B*seeds,)
-    main = ctx.rollout(prompt, initial_noise(ctx.policy, b * seeds, ctx.shared_gen), ctx.grid, [False] * s)
+    ode_path = ctx.rollout(prompt, initial_noise(ctx.policy, b * seeds, ctx.shared_gen), ctx.grid, [False] * n_steps)
     stds = step_stds(ctx.grid, ctx.args)
     weight = stds / stds[ctx.trainable].mean()  # (S,) Norm(sigma_t sqrt(dt)) to mean 1 over trained steps
     parts, rewards = [], []
     for k in branch_points(ctx, ctx.trainable):  # Deviation 7
         child_prompt = repeat(prompt, g)  # (B*seeds*G,)
-        branch = ctx.rollout(child_prompt, repeat(main.states[:, k], g), ctx.grid[k:], [True] + [False] * (s - k - 1))
+        sde_once = [True] + [False] * (n_steps - k - 1)  # one SDE step at k, then the ODE
+        branch = ctx.rollout(child_prompt, repeat(ode_path.states[:, k], g), ctx.grid[k:], sde_once)
         r = ctx.reward(branch.states[:, -1], child_prompt)
         adv = ctx.advantages(r, repeat(torch.arange(b * seeds), g))[:, None]  # per (prompt, seed, k)
-        only_first = torch.arange(s - k) == 0
+        only_first = torch.arange(n_steps - k) == 0
         parts.append(transitions_from(branch, child_prompt, adv, only_first, weight=weight[k], first_step=k))
         rewards.append(r)
     return Transitions.cat(parts), torch.cat(rewards)
@@ -957,13 +983,14 @@ def g2rpo(ctx: Context):
     """G2RPO (arXiv 2510.01982; singular stochastic sampling, multi-granularity advantage integration).
 
     Shared ODE anchor per prompt; for k in the first half of the steps, G branches take one SDE step from its
-    state s_k, each finished by ODE at every granularity lambda (every lambda-th node after t_{k+1}, to t = 0):
+    state x_k, each finished by ODE at every granularity lambda (every lambda-th node after t_{k+1}, to t = 0):
         A_k^i = sum_lambda (R_k^{i,lambda} - mean_i) / std_i.
-    Differs from tempflow by: one anchor per prompt, k over the first half, multi-granularity sum, no weights."""
-    b, g, s = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
+    Differs from flow_grpo by: an ODE anchor shared by the group; one SDE step per rollout, at k in the first half;
+    per-step rewards of ODE continuations at several granularities, whose advantages add up."""
+    b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
     prompt = torch.arange(b)
-    anchor = ctx.rollout(prompt, initial_noise(ctx.policy, b, ctx.shared_gen), ctx.grid, [False] * s)
-    first_half = ctx.trainable & (torch.arange(s) < s // 2)
+    anchor = ctx.rollout(prompt, initial_noise(ctx.policy, b, ctx.shared_gen), ctx.grid, [False] * n_steps)
+    first_half = ctx.trainable & (torch.arange(n_steps) < n_steps // 2)
     parts, rewards = [], []
     for k in branch_points(ctx, first_half):  # Deviation 7
         child_prompt = repeat(prompt, g)  # (B*G,)
@@ -983,16 +1010,16 @@ def chunk(ctx: Context):
 
     Sampling and advantage as flow_grpo, independent noises included (the paper shares one per group: Deviation 9);
     consecutive trained steps form chunks of one importance ratio each; a fraction may be trained, drawn by mean
-    relative L1 (the automatic boundaries are this project's heuristic, Deviation 9):
-        ratio_j = exp( mean_{k in chunk j} (log pi_theta - log pi_old) ).
+    relative L1:  ratio_j = exp( mean_{k in chunk j} (log pi_theta - log pi_old) ).
+    `--chunks auto` places the boundaries by a heuristic of this project, not the paper's (chunks_from_profile).
     Differs from flow_grpo by: chunk ids that make the shared loss use chunk-level ratios."""
-    b, g, s = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
+    b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
     prompt = repeat(torch.arange(b), g)  # (B*G,)
-    traj = ctx.rollout(prompt, initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, [True] * s)
+    traj = ctx.rollout(prompt, initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, [True] * n_steps)
     r = ctx.reward(traj.states[:, -1], prompt)
     adv = ctx.advantages(r, prompt)[:, None]
     trained, sizes = ctx.trainable, ctx.chunk_sizes
-    of_step = torch.full((s,), len(sizes))  # chunk index of each step; len(sizes) = not trained
+    of_step = torch.full((n_steps,), len(sizes))  # chunk index of each step; len(sizes) = not trained
     of_step[trained] = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
     n_train = max(1, int(len(sizes) * ctx.args.chunk_fraction))
     if n_train < len(sizes):
@@ -1063,30 +1090,42 @@ def chunk_sizes_of(policy, args: Args, grid: torch.Tensor, dist: Dist = Dist()) 
 # ----------------------------------------------------------------------------------------------------
 # 8 GRPO loss and update (shared)
 
-def grpo_loss(policy, cond: dict, tr: Transitions, args: Args, totals: tuple | None = None):
+def grpo_loss(policy, cond: dict, tr: Transitions, args: Args, totals: tuple | None = None, outside=None):
     """The clipped GRPO objective as every official code writes it -> (loss, stats):
         ratio_j = exp(mean_{k in chunk j} log pi_theta(x_{k+1} | x_k) - log pi_old(x_{k+1} | x_k))
         loss    = mean_j w_j max(-A_j ratio_j, -A_j clip(ratio_j, 1 - eps, 1 + eps))  +  beta mean_k KL_k
-    A chunk of one transition is Flow-GRPO's step ratio; the KL is to the adapter-disabled reference
-    (Deviation 2). `totals` = (chunks, transitions) of the whole minibatch when `tr` is a micro-batch of it."""
-    c = {k: e[tr.prompt.to(e.device)] for k, e in cond.items()}
-    step = dict(kind=args.sde, noise_level=args.sde_level, prev_sample=tr.x_next)
-    v = policy.velocity(tr.x, tr.t, c)
-    _, log_prob, mean, _ = sde_step(tr.x, v, tr.t, tr.t_next, **step)
+    Only Chunk-GRPO makes chunks of several transitions: for the other four every chunk is one transition, the
+    chunk mean is the step's own log-ratio, and this is Flow-GRPO's per-step loss. The clip acts on the D-th root
+    of the likelihood ratio (log-probs are means over D dims): on the whole image it allows exp(D eps), about 2.2 on
+    the toy (D = 768, eps = 1e-3) and about 700 on SD3.5 at 512 px (D = 65,536, eps = 1e-4), so the toy's range
+    and the papers' do not compare. approx_kl is 1/2 E[log_ratio^2], the k2 estimate Flow-GRPO's and DDPO's codes
+    log (CleanRL's (ratio - 1) - log ratio is k3; at |log ratio| ~ 1e-3 the two agree to third order). The KL is
+    to the adapter-disabled reference (Deviation 2). `totals` = (chunks, transitions) of the whole minibatch when
+    `tr` is a micro-batch of it;
+    `outside` = (scale, offset) (K,) when it splits chunks: log_ratio_j = scale_j * (the piece's mean) + offset_j."""
+    log_prob, mean = transition_log_probs(policy, cond, tr, args)
     log_ratio = chunk_log_ratios(log_prob, tr.log_prob, tr.chunk)  # (K,)
+    if outside is not None:  # the chunk's members in other pieces enter with their log-ratios frozen
+        log_ratio = log_ratio * outside[0] + outside[1]
     ratio, n_chunks, n_transitions = torch.exp(log_ratio), *(totals or (len(log_ratio), len(tr)))
     adv = segment_mean(tr.advantage, tr.chunk)[0].clamp(-args.adv_clip, args.adv_clip)
     clipped = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
     policy_terms = segment_mean(tr.weight, tr.chunk)[0] * torch.maximum(-adv * ratio, -adv * clipped)  # (K,)
-    kl_terms = torch.zeros(len(tr), device=v.device)  # (N,)
+    kl_terms = torch.zeros(len(tr), device=mean.device)  # (N,)
     if args.beta > 0:
         with torch.no_grad(), adapter_disabled(policy.net):
-            v_ref = policy.velocity(tr.x, tr.t, c)
-        kl_terms = gaussian_kl(mean, sde_step(tr.x, v_ref, tr.t, tr.t_next, **step)[2], tr.std)
+            kl_terms = gaussian_kl(mean, transition_log_probs(policy, cond, tr, args)[1], tr.std)
     loss = policy_terms.sum() / n_chunks + args.beta * kl_terms.sum() / n_transitions
     stats = {"policy_loss": policy_terms.mean(), "kl": kl_terms.mean(), "ratio_mean": ratio.mean(),
              "clipfrac": ((ratio - 1).abs() > args.clip_range).float().mean(), "approx_kl": (0.5 * log_ratio**2).mean()}
     return loss, {k: s.detach() for k, s in stats.items()}
+
+def transition_log_probs(policy, cond: dict, tr: Transitions, args: Args) -> tuple[torch.Tensor, torch.Tensor]:
+    """The current policy's log pi_theta(x_next | x) (N,) of stored transitions, and its SDE means (N, C, H, W)."""
+    v = policy.velocity(tr.x, tr.t, {k: e[tr.prompt.to(e.device)] for k, e in cond.items()})
+    _, log_prob, mean, _ = sde_step(tr.x, v, tr.t, tr.t_next, kind=args.sde, noise_level=args.sde_level,
+                                    prev_sample=tr.x_next)
+    return log_prob, mean
 
 def chunk_log_ratios(log_prob: torch.Tensor, log_prob_old: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
     """Chunk-GRPO's chunk ratio in log space (v1 Eq. 14): the mean of each chunk's step log-ratios, (N,) -> (K,)."""
@@ -1101,29 +1140,38 @@ def adapter_disabled(net):
     finally:
         net.enable_adapters()
 
-def micro_batches(tr: Transitions, size: int) -> list[Transitions]:
-    """`tr` in pieces of at most `size` transitions (0: one piece); a chunk is never split."""
-    if not size or len(tr) <= size:
-        return [tr]
-    ids, counts = torch.unique(tr.chunk, return_counts=True)
-    pieces, filled = [[]], 0
-    for cid, n in zip(ids.tolist(), counts.tolist()):
-        if pieces[-1] and filled + n > size:
-            pieces, filled = pieces + [[]], 0
-        pieces[-1].append(cid)
-        filled += n
-    return [tr[torch.isin(tr.chunk, torch.tensor(p))] for p in pieces]
-
 def accumulate_gradients(policy, cond: dict, mb: Transitions, args: Args) -> list[dict]:
-    """Backward of a minibatch's loss in micro-batches; under DDP only the last backward syncs."""
-    pieces, totals = micro_batches(mb, args.micro_batch), (len(torch.unique(mb.chunk)), len(mb))
+    """Backward of a minibatch's loss in pieces of `micro_batch` transitions; under DDP only the last backward syncs."""
+    pieces = torch.arange(len(mb)).split(args.micro_batch or len(mb))  # (N,) CPU indices, a forward pass each
+    ids, chunk_of = torch.unique(mb.chunk, return_inverse=True)  # (K,), (N,) each transition's chunk index
+    outside = [None] * len(pieces)
+    if len(pieces) > 1 and len(ids) < len(mb):  # chunks of several transitions may fall into two pieces
+        outside = split_chunk_terms(policy, cond, mb, args, pieces, chunk_of)
     no_sync, stats = getattr(policy.denoiser, "no_sync", contextlib.nullcontext), []
     for i, piece in enumerate(pieces):
         with no_sync() if i < len(pieces) - 1 else contextlib.nullcontext():
-            loss, s = grpo_loss(policy, cond, piece, args, totals)
+            loss, piece_stats = grpo_loss(policy, cond, mb[piece], args, (len(ids), len(mb)), outside[i])
             loss.backward()
-        stats.append(s)
+        stats.append(piece_stats)
     return stats
+
+def split_chunk_terms(policy, cond: dict, mb: Transitions, args: Args, pieces, chunk_of) -> list[tuple]:
+    """Per piece, (scale, offset) of its chunks (K_p,): scale * (the piece's mean log-ratio of a chunk) + offset is the
+    whole chunk's mean, the members in other pieces frozen at this pass's values. Each piece so backpropagates its
+    members' exact share of the chunk ratio's gradient, and no forward pass holds more than `micro_batch`."""
+    with torch.no_grad():
+        frozen = torch.cat([transition_log_probs(policy, cond, mb[p], args)[0] for p in pieces]) - mb.log_prob  # (N,)
+    chunk_of = chunk_of.to(frozen.device)
+    size = torch.bincount(chunk_of).float()  # (K,) members of each chunk
+    total = torch.zeros_like(size).index_add(0, chunk_of, frozen)  # (K,) sum of each chunk's log-ratios
+    terms = []
+    for piece in pieces:
+        mine = chunk_of[piece.to(frozen.device)]  # (n,) the chunk index of each of the piece's transitions
+        here = torch.zeros_like(size).index_add(0, mine, frozen[piece.to(frozen.device)])  # (K,) their sums
+        count = torch.bincount(mine, minlength=len(size))  # (K,) the piece's members of each chunk
+        used = count > 0  # the piece's chunks, in sorted id order as segment_mean returns them
+        terms.append((count[used] / size[used], (total - here)[used] / size[used]))
+    return terms
 
 def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Generator, dist: Dist = Dist()) -> dict:
     """Inner PPO updates, the first on-policy (ratio 1): a shuffled `train_fraction` of the chunks in `inner_updates`
@@ -1264,15 +1312,15 @@ def setup(args: Args, dist: Dist) -> Setup:
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     return Setup(policy, reward_fn, params, opt, grid, chunk_sizes, *prompt_sets(args))
 
-def iteration_context(args: Args, s: Setup, it: int, meter: Meter, dist: Dist = Dist()) -> Context:
+def iteration_context(args: Args, parts: Setup, it: int, meter: Meter, dist: Dist = Dist()) -> Context:
     """Iteration `it`'s prompts, embeddings and generators; every draw follows from (seed, it)."""
     rng = random.Random(stable_seed(args.seed, "prompts", it))
-    metas = ([rng.choice(s.train_pool) for _ in range(args.prompts_per_iter)] if s.train_pool
+    metas = ([rng.choice(parts.train_pool) for _ in range(args.prompts_per_iter)] if parts.train_pool
              else train_prompts(args.prompts_per_iter, rng))
     shared = generator(args.seed, "rollout", it)
     gen = generator(args.seed, "rollout", it, dist.rank) if dist.world > 1 else shared
-    return Context(s.policy, args, meter, gen, metas, s.policy.encode([m["prompt"] for m in metas]), s.grid,
-                   s.reward_fn, s.chunk_sizes, dist, shared)
+    return Context(parts.policy, args, meter, gen, metas, parts.policy.encode([m["prompt"] for m in metas]), parts.grid,
+                   parts.reward_fn, parts.chunk_sizes, dist, shared)
 
 def train(args: Args, resume: str | None = None) -> list[dict]:
     """GRPO with the chosen credit assignment -> the metric records (also in metrics.jsonl). `resume`, a run
@@ -1283,7 +1331,7 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
     dist = Dist.setup(resolve_device(args.device))
     if args.group_size % dist.world:
         raise UsageError(f"--group-size {args.group_size} must be a multiple of the {dist.world} ranks")
-    writer, s = dist.rank == 0, setup(args, dist)
+    writer, parts = dist.rank == 0, setup(args, dist)
     run = Path(resume or Path(args.out) / f"{args.method}-seed{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
     if writer and not resume:  # made after loading: a model that fails to load leaves no empty folder
         try:
@@ -1296,8 +1344,10 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise UsageError(f"{run} is being written by another process; stop it (or let it finish) first") from None
-    ema = EMAModel(s.params, decay=args.ema)  # warm-up min((1+n)/(10+n), decay) over its own updates, not steps
-    state = load_checkpoint(run, s.policy, s.opt, ema) if resume else {"iteration": 0, "meter": {}, "wall": 0.0}
+    # one update an iteration (8 optimizer steps: Flow-GRPO's interval); its warm-up min((1+n)/(10+n), decay) counts
+    # these updates, Flow-GRPO's counts optimizer steps, so this one reaches 0.9 after 81 updates, that one after 10
+    ema = EMAModel(parts.params, decay=args.ema)
+    state = load_checkpoint(run, parts.policy, parts.opt, ema) if resume else {"iteration": 0, "meter": {}, "wall": 0.0}
     meter, history, wall = Meter(**state["meter"]), state.get("history", []), state["wall"]
     start_it, bad_in_row = state["iteration"] + 1, 0
     if writer:
@@ -1312,28 +1362,30 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
     def run_eval(iteration: int) -> None:
         nfe = int(dist.reduce(meter.nfe))
         if writer:  # the other ranks go on and wait for rank 0 in the next collective
-            with ema_applied(ema, s.params):
-                metrics, images, metas, scores = evaluate(s.policy, args, s.reward_fn, s.eval_metas)
+            with ema_applied(ema, parts.params):
+                metrics, images, metas, scores = evaluate(parts.policy, args, parts.reward_fn, parts.eval_metas)
             state["base_scores"] = state.get("base_scores") or scores  # the gains are paired with the first evaluation
             gains = paired_gains(scores, state["base_scores"], [m.get("tag", "prompt") for m in metas])
             record({"iteration": iteration, **metrics, **gains, "nfe": nfe, "wall_s": round(wall, 2)})
+            torch.save(scores, run / f"scores_{iteration:04d}.pt")  # per image: comparisons pair runs with them
             save_grid(images, metas, scores, run / f"samples_{iteration:04d}.png",
                       f"{args.method} iteration {iteration}: held-out score {metrics['eval_overall']:.3f}")
 
     if not resume:
-        if s.chunk_sizes:
-            record({"iteration": 0, "chunk_sizes": s.chunk_sizes})
+        if parts.chunk_sizes:
+            record({"iteration": 0, "chunk_sizes": parts.chunk_sizes})
         run_eval(0)
     quiet = not writer or os.environ.get("TQDM_DISABLE", "") not in ("", "0")  # an explicit disable= overrides it
     for it in (bar := tqdm(range(start_it, args.iterations + 1), desc=args.method, dynamic_ncols=True, disable=quiet)):
         start = time.time()
-        ctx = iteration_context(args, s, it, meter, dist)
+        ctx = iteration_context(args, parts, it, meter, dist)
         transitions, rewards = CREDIT_ASSIGNMENT[args.method](ctx)
         finite = bool(dist.reduce(torch.isfinite(rewards).all() & torch.isfinite(transitions.advantage).all(), "min"))
-        stats = update(s.policy, s.opt, ctx.cond, transitions, args, ctx.gen, dist) if finite else {"skipped": 1.0}
+        stats = (update(parts.policy, parts.opt, ctx.cond, transitions, args, ctx.gen, dist) if finite
+                 else {"skipped": 1.0})
         if stats.get("trained"):  # optimizer steps taken: their training (+ reference) passes count
-            meter.nfe += stats["trained"] * (2 if args.beta > 0 else 1) * s.policy.passes
-            ema.step(s.params)
+            meter.nfe += stats["trained"] * (2 if args.beta > 0 else 1) * parts.policy.passes
+            ema.step(parts.params)
         wall += time.time() - start
         bad_in_row = bad_in_row + 1 if stats.get("skipped") else 0
         if bad_in_row and writer:
@@ -1346,13 +1398,13 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
         if it % args.eval_every == 0 or it == args.iterations:
             run_eval(it)
         if (it % args.checkpoint_every == 0 or it == args.iterations) and not bad_in_row and writer:
-            save_checkpoint(run, s.policy, s.opt, ema, {"iteration": it, "meter": dataclasses.asdict(meter),
+            save_checkpoint(run, parts.policy, parts.opt, ema, {"iteration": it, "meter": dataclasses.asdict(meter),
                                                         "wall": wall, "history": history,
                                                         "base_scores": state["base_scores"]})
     log.close()
     if writer:
-        with ema_applied(ema, s.params):
-            s.policy.save_lora(run / "lora")
+        with ema_applied(ema, parts.params):
+            parts.policy.save_lora(run / "lora")
         plot_curves(history, run / "reward_curve.png", args.method)
         print_summary(run, history, args, wall)
     return history
@@ -1420,10 +1472,11 @@ def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None
     metas = metas or eval_prompts(args.eval_per_tag)
     grid, noise = policy.time_grid(args.eval_steps), initial_noise(policy, len(metas), generator("eval-noise"))
     images, rewards, reward_fn = [], [], reward_fn or build_reward(args, policy.device)
+    cond = policy.encode([m["prompt"] for m in metas], device="cpu")  # the text encoders' one use, kept on the CPU
     for part in torch.arange(len(metas)).split(args.micro_batch or len(metas)):
         part_metas = [metas[i] for i in part.tolist()]
-        x = rollout(policy, policy.encode([m["prompt"] for m in part_metas]), noise[part.to(noise.device)], grid,
-                    [False] * args.eval_steps, args, Meter()).states[:, -1]
+        x = rollout(policy, {k: e[part].to(policy.device) for k, e in cond.items()}, noise[part.to(noise.device)],
+                    grid, [False] * args.eval_steps, args, Meter()).states[:, -1]
         image = policy.decode(x)
         rewards.append(reward_fn(image, part_metas).float().cpu())
         images.append(image.cpu())  # only the part being scored stays on the device
@@ -1516,47 +1569,71 @@ def compare(args: Args, folder: str | None = None) -> Path:
     resumes = [str(found[-1].parent) if found else None for found in started]  # what --resume continues
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-    histories = [train(a, r) for a, r in zip(runs, resumes)]
-    evals = [[h for h in history if "eval_overall" in h] for history in histories]  # (methods * seeds) runs
+    evals = []  # (methods * seeds) runs, each its evaluations with their per-image scores
+    for a, resume in zip(runs, resumes):
+        history, run = train(a, resume), sorted(folder.glob(f"{a.method}-seed{a.seed}-*/metrics.jsonl"))[-1].parent
+        evals.append([h | {"scores": torch.load(run / f"scores_{h['iteration']:04d}.pt", weights_only=True)}
+                      for h in history if "eval_overall" in h])
     evals = {m: evals[i * len(seeds):(i + 1) * len(seeds)] for i, m in enumerate(methods)}
-    (folder / "comparison.md").write_text(comparison_table(evals, seeds, args))
+    tags = [m.get("tag", "prompt") for m in prompt_sets(args)[1]]
+    (folder / "comparison.md").write_text(comparison_table(evals, seeds, args, tags))
     plot_comparison(evals, folder / "comparison.png")
     print((folder / "comparison.md").read_text())
     return folder
 
-def comparison_table(evals: dict, seeds: list[int], args: Args) -> str:
-    """comparison.md: per method, mean ± std over seeds of held-out scores at start, end and equal nfe."""
-    last = [run[-1] for runs in evals.values() for run in runs]
-    budget = min(e["nfe"] for e in last)  # forward passes
+T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # Student's t, 97.5%
 
-    def cell(values):
-        return f"{np.mean(values):.3f} ± {np.std(values):.3f}"
+def comparison_table(evals: dict, seeds: list[int], args: Args, tags: list[str]) -> str:
+    """comparison.md: each method against its base, then against Flow-GRPO at equal iterations and at about equal
+    forward passes. Every difference is paired (the same held-out prompts and noise): each seed's, ± its standard
+    error over prompts, and their mean with a 95% interval over the seeds (Student's t; one seed: 1.96 s.e.)."""
+    toy = "eval_strict" in next(iter(evals.values()))[0][0]
+    rules = {"strict": "strict", "GenEval rule": "geneval"} if toy else {"reward": "reward"}
 
-    def at_budget(runs):  # the last evaluation within the budget
-        return cell([[e for e in run if e["nfe"] <= budget][-1]["eval_overall"] for run in runs])
+    def difference(pairs: list[tuple[dict, dict]], key: str) -> str:  # (evaluation, the one it is paired with) a seed
+        diffs = [by_category(a["scores"][key] - b["scores"][key], tags) for a, b in pairs]  # (mean, s.e.) a seed
+        d = [mean for mean, _ in diffs]
+        spread = np.std(d, ddof=1) / math.sqrt(len(d)) if len(d) > 1 else diffs[0][1]
+        half = T_975.get(len(d) - 1, 1.96) * spread
+        per_seed = ", ".join(f"{mean:+.3f} ± {se:.3f}" for mean, se in diffs)
+        return f"**{np.mean(d):+.3f}** [{np.mean(d) - half:+.3f}, {np.mean(d) + half:+.3f}] ({per_seed})"
 
-    def gains(final, name):  # the mean gain, then each seed's ± its paired standard error
-        per_seed = ", ".join(f"{e[f'gain_{name}']:+.3f} ± {e[f'gain_{name}_se']:.3f}" for e in final)
-        return f"{np.mean([e[f'gain_{name}'] for e in final]):+.3f} ({per_seed})"
-
-    toy = ["eval_strict", "eval_extra"] if "eval_strict" in last[0] else []
-    columns = ["base", "final", "gain (seeds ± paired s.e.)", *(f"{k[5:]}: base → final" for k in toy),
-               *(["strict gain (seeds ± paired s.e.)"] if toy else []), "at equal nfe", "passes per iteration"]
-    rows = ["| method | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    rows = [["method", "passes per iteration", *(f"{r}: base → final" for r in rules),
+             *(f"{r} gain [95% interval] (seeds)" for r in rules), *(["extra objects"] if toy else [])]]
     for m, runs in evals.items():
         base, final = [run[0] for run in runs], [run[-1] for run in runs]
-        cells = [cell([e["eval_overall"] for e in base]), cell([e["eval_overall"] for e in final]),
-                 gains(final, "overall"),
-                 *(f"{np.mean([e[k] for e in base]):.3f} → {cell([e[k] for e in final])}" for k in toy),
-                 *([gains(final, "strict")] if toy else []),
-                 at_budget(runs), f"{np.mean([e['nfe'] / e['iteration'] for e in final]):.0f}"]
-        rows.append(f"| {m} | " + " | ".join(cells) + " |")
-    score = "toy-GenEval overall (GenEval's rule)" if toy else "reward"
+        scores = [f"{base[0]['scores'][k].mean():.3f} → {np.mean([e['scores'][k].mean() for e in final]):.3f}"
+                  for k in rules.values()]
+        extra = [f"{base[0]['eval_extra']:.1%} → {np.mean([e['eval_extra'] for e in final]):.1%}"] if toy else []
+        rows.append([m, f"{np.mean([e['nfe'] / e['iteration'] for e in final]):.0f}", *scores,
+                     *(difference(list(zip(final, base)), k) for k in rules.values()), *extra])
     iterations = args.iterations or "each method's default number of"
-    note = (f"Held-out {score}, mean ± std over seeds {seeds}; {iterations} iterations. A gain is paired: the same "
-            f"prompts and noise before and after, its standard error over prompts beside it. Equal budget: "
-            f"{budget:.3g} forward passes (the smallest final value of all runs).")
-    return note + "\n\n" + "\n".join(rows) + "\n"
+    text = f"Held-out scores, seeds {seeds}, {iterations} iterations.\n\n" + markdown_table(rows)
+    if "flow_grpo" not in evals or len(evals) == 1:
+        return text
+    flow = evals["flow_grpo"]
+    common = max(set.intersection(*({e["iteration"] for e in run} for runs in evals.values() for run in runs)))
+
+    def at_iteration(run: list[dict]) -> dict:
+        return next(e for e in run if e["iteration"] == common)
+
+    def near_nfe(run: list[dict], ref: list[dict]) -> tuple[dict, dict]:  # the last evaluation within Flow-GRPO's
+        mine = ([e for e in run[1:] if e["nfe"] <= 1.1 * ref[-1]["nfe"]] or run[1:2])[-1]  # budget, and its nearest
+        return mine, min(ref[1:], key=lambda e: abs(e["nfe"] - mine["nfe"]))
+
+    versus = [["method", *(f"{r}, iteration {common}" for r in rules), "nfe: method / flow_grpo",
+               *(f"{r}, ~equal nfe" for r in rules)]]
+    for m, runs in evals.items():
+        if m != "flow_grpo":
+            same_it = [(at_iteration(run), at_iteration(ref)) for run, ref in zip(runs, flow)]
+            same_nfe = [near_nfe(run, ref) for run, ref in zip(runs, flow)]
+            nfe = " / ".join(f"{np.mean([pair[i]['nfe'] for pair in same_nfe]):.3g}" for i in (0, 1))
+            versus.append([m, *(difference(same_it, k) for k in rules.values()), nfe,
+                           *(difference(same_nfe, k) for k in rules.values())])
+    return text + "\nAgainst Flow-GRPO (the method minus flow_grpo of the same seed):\n\n" + markdown_table(versus)
+
+def markdown_table(rows: list[list[str]]) -> str:
+    return "\n".join("| " + " | ".join(row) + " |" for row in [rows[0], ["---"] * len(rows[0]), *rows[1:]]) + "\n"
 
 def plot_comparison(evals: dict, path: Path) -> None:
     """Held-out scores against iteration and nfe, the mean over seeds; on toy also strict and extra."""
@@ -1600,7 +1677,7 @@ def benchmark(args: Args) -> dict:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError("--benchmark measures one process on one device; run it without torchrun")
     args, dist = resolved(args), Dist(device=resolve_device(args.device))
-    s, cuda = setup(args, dist), dist.device.type == "cuda"
+    parts, cuda = setup(args, dist), dist.device.type == "cuda"
     spent, sync = collections.Counter(), torch.cuda.synchronize if cuda else (lambda: None)
 
     def timed(phase, fn, *a):  # fn(*a), its seconds added to spent[phase]
@@ -1613,12 +1690,13 @@ def benchmark(args: Args) -> dict:
 
     def iteration(it: int) -> dict:
         spent.clear()
-        ctx = timed("encode_s", iteration_context, args, s, it, Meter())
+        ctx = timed("encode_s", iteration_context, args, parts, it, Meter())
         ctx.reward_fn = lambda images, metas, score=ctx.reward_fn: timed("reward_s", score, images, metas)
         transitions, _ = timed("sample_s", CREDIT_ASSIGNMENT[args.method], ctx)
-        trained = timed("train_s", update, s.policy, s.opt, ctx.cond, transitions, args, ctx.gen).get("trained", 0)
+        stats = timed("train_s", update, parts.policy, parts.opt, ctx.cond, transitions, args, ctx.gen)
         spent["sample_s"] -= spent["reward_s"]  # the reward ran inside the sampling phase
-        return dict(spent) | {"passes": ctx.meter.nfe, "images": ctx.meter.reward_calls, "transitions": trained}
+        counts = {"passes": ctx.meter.nfe, "images": ctx.meter.reward_calls, "transitions": stats.get("trained", 0)}
+        return dict(spent) | counts
 
     iteration(0)  # warm-up: kernels, allocator and caches
     if cuda:

@@ -1,5 +1,6 @@
 """Tests that check meaning: equations, invariants of each method, exactness of the scorer, and a
 measured improvement of a short real run. Run with `python -m pytest -q`."""
+import collections
 import dataclasses
 import inspect
 import io
@@ -173,10 +174,10 @@ class GroundTruthPolicy:
     def __init__(self, metas: list[dict], targets: torch.Tensor):
         self.metas, self.targets, self.encoded, self.device = metas, targets, 0, torch.device("cpu")
 
-    def encode(self, prompts):
+    def encode(self, prompts, device=None):
         first, self.encoded = self.encoded, self.encoded + len(prompts)
         assert prompts == [m["prompt"] for m in self.metas[first:self.encoded]], "prompts are encoded in order"
-        return {"x0": self.targets[first:self.encoded]}
+        return {"x0": self.targets[first:self.encoded].to(device or self.device)}
 
     def velocity(self, x, t, cond):
         return (x - cond["x0"]) / t.view(-1, 1, 1, 1)
@@ -587,38 +588,36 @@ def test_transitions_of_groups_with_equal_rewards_are_left_out_of_the_loss(monke
 
 
 @pytest.mark.parametrize("method_args", [{}, {"method": "chunk", "chunks": "2,3"}], ids=["steps", "chunks"])
-def test_micro_batches_keep_chunks_whole_and_add_up_to_the_minibatch_gradient(method_args):
-    """accumulate_gradients in micro-batches of at most 3 transitions gives the gradient of the whole
-    minibatch (KL term included); a chunk is never split across micro-batches, and a piece is larger
-    than the size only when it is a single chunk."""
+def test_micro_batches_bound_every_pass_and_add_up_to_the_minibatch_gradient(method_args, monkeypatch):
+    """accumulate_gradients in pieces of `micro_batch` transitions gives the gradient of the whole minibatch
+    (KL term included), also when a chunk of several transitions falls into two pieces, and no forward pass
+    of the model holds more than `micro_batch` transitions."""
     ctx = ctx_for({**method_args, "beta": 0.05}, b=1)
     tr, _ = fgc.CREDIT_ASSIGNMENT[ctx.args.method](ctx)
     chunk_sizes = torch.unique(tr.chunk, return_counts=True)[1]
     assert (chunk_sizes.max() > 1) == bool(method_args)
-    for size in (1, 2, 3, 7, 0):
-        pieces = fgc.micro_batches(tr, size)
-        ids = [set(p.chunk.tolist()) for p in pieces]
-        assert sum(len(p) for p in pieces) == len(tr) and set().union(*ids) == set(tr.chunk.tolist())
-        assert all(a.isdisjoint(b) for i, a in enumerate(ids) for b in ids[:i]), "a chunk lies in one piece"
-        assert all(len(p) <= size or len(i) == 1 for p, i in zip(pieces, ids)) if size else len(pieces) == 1
-    params = adapter_params(ctx.policy)
+    params, passes, velocity = adapter_params(ctx.policy), [], ctx.policy.velocity
+    monkeypatch.setattr(ctx.policy, "velocity", lambda x, *a: passes.append(len(x)) or velocity(x, *a))
 
     def gradients(micro_batch):
         for p in params:
             p.grad = None
+        passes.clear()
         args = dataclasses.replace(ctx.args, micro_batch=micro_batch)
         stats = fgc.accumulate_gradients(ctx.policy, ctx.cond, tr, args)
         return [p.grad.clone() for p in params], stats
 
     whole, whole_stats = gradients(0)
-    parts, parts_stats = gradients(3)
-    for p in params:
-        p.grad = None
-    assert len(whole_stats) == 1 and len(parts_stats) == len(fgc.micro_batches(tr, 3)) > 1
+    assert len(whole_stats) == 1 and passes == [len(tr)] * 2, "one pass and its reference pass"
     scale = max(g.abs().max() for g in whole)
     assert scale > 0
-    for a, b in zip(whole, parts):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5 * scale)
+    for size in (1, 2, 3, 7):
+        parts, parts_stats = gradients(size)
+        assert len(parts_stats) == math.ceil(len(tr) / size) > 1 and max(passes) <= size
+        for a, b in zip(whole, parts):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5 * scale)
+    for p in params:
+        p.grad = None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -667,8 +666,8 @@ def device_transitions(n: int, device) -> fgc.Transitions:
 
 
 def test_transitions_select_with_cpu_masks_and_keep_every_field_on_its_device():
-    """Selecting transitions as update() and micro_batches() do (a CPU bool mask, torch.isin over the CPU
-    chunk ids, a mask computed from a device field) keeps the floats on the device and the ids on the CPU.
+    """Selecting transitions as update() and accumulate_gradients() do (a CPU bool mask, torch.isin over the CPU
+    chunk ids, a mask computed from a device field, CPU indices) keeps the floats on the device and the ids on the CPU.
     The device is a fake meta device: Tensor.__getitem__ takes a device guard that a CPU-only build of
     torch lacks for CUDA, and the fake mode checks meta against the CPU exactly as it checks CUDA."""
     tr = device_transitions(6, "meta")
@@ -676,10 +675,10 @@ def test_transitions_select_with_cpu_masks_and_keep_every_field_on_its_device():
     assert devices["x"] == "meta" and devices["chunk"] == "cpu"
     masks = [torch.tensor([True, False, True, True, False, True]), torch.isin(tr.chunk, torch.tensor([0, 2])),
              tr.advantage.cpu() != 0]
-    for sub in [tr[mask] for mask in masks] + fgc.micro_batches(tr, 3):
+    for sub in [tr[mask] for mask in masks] + [tr[piece] for piece in torch.arange(6).split(4)]:
         assert {f.name: getattr(sub, f.name).device.type for f in dataclasses.fields(sub)} == devices
     assert tr[masks[1]].chunk.tolist() == [0, 0, 2, 2], "the CPU ids are real and selected exactly"
-    assert [p.chunk.tolist() for p in fgc.micro_batches(tr, 3)] == [[0, 0], [1, 1], [2, 2]]
+    assert tr[torch.arange(6).split(4)[1]].chunk.tolist() == [2, 2]
 
 
 def test_build_reward_moves_every_term_to_the_device(monkeypatch):
@@ -1283,15 +1282,50 @@ def real_args(root, out, model="sd3", **kw):
 
 
 @pytest.mark.parametrize("model", ["sd3", "flux"])
-def test_every_method_trains_a_real_pipeline_and_its_lora_loads_into_diffusers(tiny_real, tmp_path, model):
+def test_every_method_trains_a_real_pipeline_a_sample_a_pass_and_its_lora_loads_into_diffusers(
+        tiny_real, tmp_path, model, monkeypatch):
+    """Every method trains the tiny pipeline with --micro-batch 1: in every phase (the chunk profile, sampling
+    with its reward, training, evaluation) the transformer, the VAE's decoder and the reward see one sample a
+    call. The first inner step is on-policy, and the saved LoRA loads into a fresh pipeline with diffusers."""
     from diffusers import DiffusionPipeline
 
+    phase, largest, load_policy = ["setup"], collections.Counter(), fgc.load_policy
+
+    def record(part, n):
+        largest[phase[0], part] = max(largest[phase[0], part], n)
+
+    def in_phase(name, fn):
+        def wrapped(*a, **kw):
+            phase[0] = name
+            return fn(*a, **kw)
+        return wrapped
+
+    def spied_policy(args, device):
+        policy = load_policy(args, device)
+        policy.net.register_forward_pre_hook(lambda module, inputs: record("transformer", len(inputs[0])))
+        policy.pipe.vae.decoder.register_forward_pre_hook(lambda module, inputs: record("vae", len(inputs[0])))
+        return policy
+
+    monkeypatch.setattr(fgc, "load_policy", spied_policy)
+    build_reward = fgc.build_reward
+    monkeypatch.setattr(fgc, "build_reward", lambda *a: (lambda images, metas, score=build_reward(*a): record(
+        "reward", len(images)) or score(images, metas)))
+    for name, fn in [("chunk profile", fgc.chunk_sizes_of), ("training", fgc.update), ("evaluation", fgc.evaluate)]:
+        monkeypatch.setattr(fgc, fn.__name__, in_phase(name, fn))
+    for method, fn in fgc.CREDIT_ASSIGNMENT.items():
+        monkeypatch.setitem(fgc.CREDIT_ASSIGNMENT, method, in_phase("sampling", fn))
     for method in fgc.CREDIT_ASSIGNMENT:
-        history = fgc.train(real_args(tiny_real, tmp_path / method, model, method=method))
+        largest.clear()
+        chunked = {"chunks": "auto", "num_chunks": 2} if method == "chunk" else {}  # 3 steps in 2 chunks
+        history = fgc.train(real_args(tiny_real, tmp_path / method, model, method=method, micro_batch=1, **chunked))
         steps = [h for h in history if "reward_mean" in h]
         assert len(steps) == 1 and steps[0]["trained"] > 0 and np.isfinite(steps[0]["policy_loss"])
         assert abs(steps[0]["ratio_first"] - 1) < 1e-5
         assert [h["iteration"] for h in history if "eval_overall" in h] == [0, 1]
+        expected = {(p, part) for p in ("sampling", "evaluation") for part in ("transformer", "vae", "reward")}
+        expected |= {("training", "transformer")} | ({("chunk profile", "transformer")} if method == "chunk" else set())
+        assert set(largest) == expected and set(largest.values()) == {1}, (method, largest)
+    assert max(history[0]["chunk_sizes"]) == 2, "a chunk of two steps was trained one pass at a time"
     run = next((tmp_path / "flow_grpo").iterdir())
     args = real_args(tiny_real, tmp_path, model)
     trained = fgc.load_policy(args, torch.device("cpu"))
@@ -1312,6 +1346,89 @@ def test_every_method_trains_a_real_pipeline_and_its_lora_loads_into_diffusers(t
     assert (v_trained - v_base).abs().max() > 1e-6, "training changed the adapter"
 
 
+@pytest.mark.parametrize("model", ["sd3", "flux"])
+def test_every_method_trains_a_bf16_pipeline_on_policy_and_saves_an_fp32_lora(tiny_real, tmp_path, model):
+    """--dtype bf16 (the CUDA default), run on the CPU: the transformer computes in bf16, every method's losses
+    are finite, its first inner step is on-policy up to bf16 rounding (|ratio - 1| < 1e-3, the toy's clip
+    range; the sampling and training passes see different batches), and the adapter trains and saves in fp32."""
+    from safetensors.torch import load_file
+
+    for method in fgc.CREDIT_ASSIGNMENT:
+        history = fgc.train(real_args(tiny_real, tmp_path / method, model, method=method, dtype="bf16"))
+        step = next(h for h in history if "reward_mean" in h)
+        assert step["trained"] > 0 and all(np.isfinite(step[k]) for k in ("policy_loss", "grad_norm", "approx_kl"))
+        assert abs(step["ratio_first"] - 1) < 1e-3, (method, step["ratio_first"])
+        run = next((tmp_path / method).iterdir())
+        lora = load_file(run / "lora" / "pytorch_lora_weights.safetensors")
+        checkpoint = torch.load(run / "checkpoint.pt", weights_only=True)
+        assert lora and {v.dtype for v in lora.values()} == {torch.float32}
+        assert {v.dtype for v in [*checkpoint["lora"].values(), *checkpoint["ema"]["shadow_params"]]} == {torch.float32}
+    policy = fgc.load_policy(real_args(tiny_real, "x", model, dtype="bf16"), torch.device("cpu"))
+    assert policy.net.dtype == torch.bfloat16
+
+
+def test_torchrun_trains_a_real_pipeline_in_step_and_its_ranks_issue_the_same_collectives(tiny_real, tmp_path):
+    """Two gloo ranks train the tiny SD3 pipeline with a KL term, one sample a pass and the low-memory recipe
+    (gradient checkpointing under DDP), with Flow-GRPO and with TempFlow's branching: both ranks end with the
+    same adapter, which training moved. Every collective the script issues (op, shapes, dtypes, devices) is
+    logged: both ranks issue the same sequence, every tensor is on the rank's device, evaluation issues none."""
+    script = tmp_path / "ddp_real.py"
+    script.write_text(f"""import json, os, sys, torch
+sys.path.insert(0, {str(HERE)!r})
+import flow_grpo_credit as fgc
+from test_flow_grpo_credit import real_args
+from pathlib import Path
+log, phase, params, init = [], ["train"], [], []
+real_add_lora, real_evaluate = fgc.add_lora, fgc.evaluate
+
+def add_lora(policy, args):
+    params[:] = real_add_lora(policy, args)
+    init[:] = [p.detach().clone() for p in params]
+    return params
+
+def evaluate(*a, **kw):
+    phase[0] = "evaluation"
+    try:
+        return real_evaluate(*a, **kw)
+    finally:
+        phase[0] = "train"
+
+def logged(name, op):
+    def wrapped(*a, **kw):
+        tensors = [t for x in a for t in (x if isinstance(x, list) else [x]) if isinstance(t, torch.Tensor)]
+        log.append([phase[0], name, [[list(t.shape), str(t.dtype), str(t.device)] for t in tensors]])
+        return op(*a, **kw)
+    return wrapped
+
+for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "barrier", "reduce", "gather"):
+    setattr(torch.distributed, name, logged(name, getattr(torch.distributed, name)))
+fgc.add_lora, fgc.evaluate = add_lora, evaluate
+rank, out = int(os.environ["RANK"]), {{}}
+for method in ("flow_grpo", "tempflow"):
+    log.clear()
+    fgc.train(real_args(Path({str(tiny_real)!r}), {str(tmp_path / 'runs')!r}, method=method, iterations=2,
+                        eval_every=2, beta=0.1, micro_batch=1, low_memory=True, device="cpu"))
+    out[method] = {{"log": list(log), "moved": any(not torch.equal(p, q) for p, q in zip(params, init)),
+                   "weights": [p.detach().clone() for p in params]}}
+torch.save(out, {str(tmp_path)!r} + f"/rank{{rank}}.pt")
+""")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29535",
+               str(script)]
+    proc = subprocess.run(command, check=False, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    for method in ("flow_grpo", "tempflow"):
+        a, b = (r[method] for r in ranks)
+        assert a["moved"] and b["moved"], "training moved the adapter"
+        assert all(torch.equal(x, y) for x, y in zip(a["weights"], b["weights"], strict=True)), method
+        assert a["log"] == b["log"] and len(a["log"]) > 10, "the same collectives in the same order"
+        ops = {op for _, op, _ in a["log"]}
+        assert {"all_reduce", "all_gather", "barrier"} <= ops, ops
+        assert {device for _, _, tensors in a["log"] for _, _, device in tensors} == {"cpu"}
+        assert not [entry for entry in a["log"] if entry[0] == "evaluation"], "rank 0 evaluates alone"
+
+
 def test_real_time_grids_come_from_the_pipelines_schedulers(tiny_real):
     sd3 = fgc.load_policy(real_args(tiny_real, "x"), torch.device("cpu"))
     shift = 3.0  # SD3's static shift: sigma' = s*sigma / (1 + (s-1)*sigma) of the linear grid, up to the
@@ -1321,6 +1438,41 @@ def test_real_time_grids_come_from_the_pipelines_schedulers(tiny_real):
     grid = flux.time_grid(10)
     assert grid[0] == 1 and grid[-1] == 0 and (grid[1:] < grid[:-1]).all()
     assert not torch.allclose(grid, fgc.time_grid(10))
+
+
+@pytest.mark.parametrize("model", ["sd3", "flux"])
+def test_the_deterministic_rollout_reproduces_the_pipelines_own_latents(tiny_real, model):
+    """From the same starting noise, with the same steps and guidance (SD3: real CFG at 4.5 against the ""
+    prompt; FLUX: the distilled scale 3.5 as an input), the evaluation's ODE rollout ends on the latents that
+    StableDiffusion3Pipeline and FluxPipeline return with output_type="latent", up to float rounding."""
+    args = real_args(tiny_real, "x", model)
+    policy = fgc.load_policy(args, torch.device("cpu"))
+    prompts, steps = ["a photo of a cat", "a house"], 4
+    noise = torch.randn(policy.latent_shape(2), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = fgc.rollout(policy, policy.encode(prompts), noise, policy.time_grid(steps), [False] * steps, args,
+                           fgc.Meter()).states[:, -1]
+        theirs = policy.pipe(prompts, latents=noise.clone(), num_inference_steps=steps, height=32, width=32,
+                             guidance_scale=policy.cfg if model == "sd3" else 3.5, output_type="latent").images
+    assert theirs.shape == ours.shape and (ours - noise).abs().mean() > 0.1, "the rollout moved far from the noise"
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_the_prompt_cache_keeps_the_most_recently_used_prompts_up_to_its_size(tiny_real, monkeypatch):
+    """The cache is bounded: past `cache_size` prompts the least recently used one goes, and a prompt
+    used again moves to the end; an evaluation runs the text encoders once for all its prompts."""
+    policy = fgc.load_policy(real_args(tiny_real, "x", low_memory=True), torch.device("cpu"))
+    monkeypatch.setattr(policy, "cache_size", 3)
+    policy.encode(["a", "b", "c"])
+    policy.encode(["a", "d"])
+    assert list(policy.cache) == ["c", "a", "d"], "b went first: a was used again"
+    moves = []
+    monkeypatch.setattr(policy.encoders, "to", lambda device: moves.append(str(device)) or policy.encoders)
+    args = real_args(tiny_real, "x", eval_steps=1, micro_batch=1)
+    metas = [{"prompt": f"prompt {i}", "tag": "prompt"} for i in range(5)]
+    fgc.evaluate(policy, args, lambda images, metas: images.mean((1, 2, 3)), metas)
+    assert moves == ["cpu", "cpu"], "one trip of the text encoders to the device and back (here the CPU)"
+    assert len(policy.cache) == 3
 
 
 def test_prompt_embeddings_are_encoded_once_and_cached_on_the_cpu(tiny_real, monkeypatch):
@@ -1493,49 +1645,54 @@ def test_a_short_grpo_run_raises_the_reward_of_its_prompts():
     assert after > before + 0.04
 
 
-def table_rows(table: str) -> dict:
-    """comparison.md's table -> {method: {column: cell}}."""
-    lines = [line for line in table.splitlines() if line.startswith("|")]
-    header = [c.strip() for c in lines[0].strip("|").split("|")]
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
-    return {row[0]: dict(zip(header, row)) for row in rows}
+def table_rows(table: str) -> list[dict]:
+    """comparison.md's tables -> [{method: {column: cell}} per table]."""
+    tables = [[line for line in block.splitlines() if line.startswith("|")] for block in table.split("\n\n")]
+    parsed = []
+    for lines in (t for t in tables if t):
+        header = [c.strip() for c in lines[0].strip("|").split("|")]
+        rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+        parsed.append({row[0]: dict(zip(header, row)) for row in rows})
+    return parsed
 
 
-def test_method_all_writes_a_table_scored_within_equal_budgets(tiny_cache, tmp_path):
-    """comparison.md: per method, mean ± std over seeds of the base and final scores, the strict rule's and
-    the extra-object rate's base → final, and the score at the last evaluation within the smallest nfe."""
+def test_a_comparison_states_each_method_against_flow_grpo_as_paired_differences_with_intervals(tiny_cache, tmp_path):
+    """comparison.md: each method's gain over its base, then its difference from Flow-GRPO of the same seed at
+    equal iterations and at about equal nfe, computed from the per-image scores every evaluation saves: each
+    seed's paired difference ± its standard error over prompts, and the mean with Student's 95% interval."""
     args = tiny_args(tiny_cache, tmp_path, method="flow_grpo,stepwise", iterations=2, eval_every=1,
                      compare_seeds="0,1", tweedie_substeps=1)  # two methods keep the suite short; `all` runs five
     folder = fgc.compare(args)
-    table = (folder / "comparison.md").read_text()
-    rows = table_rows(table)
-    assert set(rows) == {"flow_grpo", "stepwise"} and (folder / "comparison.png").exists()
-    assert list(rows["stepwise"]) == ["method", "base", "final", "gain (seeds ± paired s.e.)",
-                                      "strict: base → final", "extra: base → final",
-                                      "strict gain (seeds ± paired s.e.)",
-                                      "at equal nfe", "passes per iteration"]
-    run_dirs = sorted(run for run in folder.iterdir() if run.is_dir())
-    runs = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in run_dirs]
-    assert len(runs) == 4
-    evals = [[h for h in run if "eval_overall" in h] for run in runs]
-    nfe_budget = min(e[-1]["nfe"] for e in evals)
-    assert f"{nfe_budget:.3g} forward passes" in table
-    stepwise = [e for run, e in zip(run_dirs, evals) if run.name.startswith("stepwise")]
-    assert len(stepwise) == 2
-    within = [[x for x in e if x["nfe"] <= nfe_budget][-1]["eval_overall"] for e in stepwise]
-    row = rows["stepwise"]
-    assert row["at equal nfe"] == f"{np.mean(within):.3f} ± {np.std(within):.3f}"
-    final = [e[-1]["eval_overall"] for e in stepwise]
-    assert row["final"] == f"{np.mean(final):.3f} ± {np.std(final):.3f}"
-    for key, column in (("eval_strict", "strict: base → final"), ("eval_extra", "extra: base → final")):
-        base, last = [e[0][key] for e in stepwise], [e[-1][key] for e in stepwise]
-        assert row[column] == f"{np.mean(base):.3f} → {np.mean(last):.3f} ± {np.std(last):.3f}"
-    assert row["passes per iteration"] == f"{np.mean([e[-1]['nfe'] / e[-1]['iteration'] for e in stepwise]):.0f}"
-    for key, column in (("strict", "strict gain (seeds ± paired s.e.)"), ("overall", "gain (seeds ± paired s.e.)")):
-        gains = [e[-1][f"gain_{key}"] for e in stepwise]
-        assert gains == pytest.approx([e[-1][f"eval_{key}"] - e[0][f"eval_{key}"] for e in stepwise])
-        first = f"{gains[0]:+.3f} ± {stepwise[0][-1][f'gain_{key}_se']:.3f}"
-        assert row[column].startswith(f"{np.mean(gains):+.3f} ({first}")
+    gains, versus = table_rows((folder / "comparison.md").read_text())
+    assert set(gains) == {"flow_grpo", "stepwise"} and set(versus) == {"stepwise"}
+    assert (folder / "comparison.png").exists()
+    tags = [m["tag"] for m in fgc.eval_prompts(args.eval_per_tag)]
+    runs = {m: [sorted(folder.glob(f"{m}-seed{seed}-*"))[0] for seed in (0, 1)] for m in ("flow_grpo", "stepwise")}
+
+    def scores(run, iteration):
+        return torch.load(run / f"scores_{iteration:04d}.pt")["strict"]
+
+    def expected(pairs):  # [(scores, scores it is paired with)] per seed -> the cell
+        diffs = [fgc.by_category(a - b, tags) for a, b in pairs]
+        d = [mean for mean, _ in diffs]
+        half = 12.71 * np.std(d, ddof=1) / math.sqrt(2)  # Student's t of 1 degree of freedom
+        seeds = ", ".join(f"{mean:+.3f} ± {se:.3f}" for mean, se in diffs)
+        return f"**{np.mean(d):+.3f}** [{np.mean(d) - half:+.3f}, {np.mean(d) + half:+.3f}] ({seeds})"
+
+    row = gains["stepwise"]
+    own_gain = [(scores(r, 2), scores(r, 0)) for r in runs["stepwise"]]
+    assert row["strict gain [95% interval] (seeds)"] == expected(own_gain)
+    same_iteration = [(scores(r, 2), scores(f, 2)) for r, f in zip(runs["stepwise"], runs["flow_grpo"])]
+    assert versus["stepwise"]["strict, iteration 2"] == expected(same_iteration)
+    nfe = {m: [{h["iteration"]: h["nfe"] for h in map(json.loads, (r / "metrics.jsonl").read_text().splitlines())
+                if "eval_overall" in h} for r in rs] for m, rs in runs.items()}
+    pairs = []
+    for r, f, mine, ref in zip(runs["stepwise"], runs["flow_grpo"], nfe["stepwise"], nfe["flow_grpo"]):
+        it = max([i for i in mine if 0 < i and mine[i] <= 1.1 * ref[2]] or [1])
+        ref_it = min((i for i in ref if i > 0), key=lambda i: abs(ref[i] - mine[it]))
+        pairs.append((scores(r, it), scores(f, ref_it)))
+    assert versus["stepwise"]["strict, ~equal nfe"] == expected(pairs)
+    assert "GenEval rule, iteration 2" in versus["stepwise"] and row["passes per iteration"].isdigit()
 
 
 def test_a_comparison_repeats_each_run_exactly_and_resumes_to_more_iterations(tiny_cache, tmp_path):
@@ -1606,6 +1763,31 @@ def step_chunks(tr):
 
 def sequence_chunks(tr):
     return torch.arange(len(tr)) // n_trained
+''',
+        "sde_window": '''
+WINDOW = 3
+
+
+def sde_window(ctx):
+    b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
+    allowed = torch.nonzero(ctx.trainable).flatten()
+    start = int(allowed[torch.randint(len(allowed) - WINDOW + 1, (1,), generator=ctx.shared_gen)])
+    window = (torch.arange(n_steps) >= start) & (torch.arange(n_steps) < start + WINDOW)
+    prompt = fgc.repeat(torch.arange(b), g)
+    traj = ctx.rollout(prompt, fgc.initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, window.tolist())
+    r = ctx.reward(traj.states[:, -1], prompt)
+    adv = ctx.advantages(r, prompt)[:, None]
+    return fgc.transitions_from(traj, prompt, adv, window & ctx.trainable), r
+''',
+        "prediction": '''
+prediction = {"ratio_first": {1: 1.0, 8: 1.0}, "clipfrac_first": {1: 0.0, 8: 0.0}, "clips_more": 8}
+''',
+        "member_noise": '''
+def member_noise(ctx):
+    return fgc.initial_noise(ctx.policy, len(ctx.metas) * ctx.group_size, ctx.gen)
+
+
+answer = "B"
 ''',
     },
 }
