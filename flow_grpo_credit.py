@@ -1475,8 +1475,10 @@ def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None
     cond = policy.encode([m["prompt"] for m in metas], device="cpu")  # the text encoders' one use, kept on the CPU
     for part in torch.arange(len(metas)).split(args.micro_batch or len(metas)):
         part_metas = [metas[i] for i in part.tolist()]
-        x = rollout(policy, {k: e[part].to(policy.device) for k, e in cond.items()}, noise[part.to(noise.device)],
-                    grid, [False] * args.eval_steps, args, Meter()).states[:, -1]
+        part_cond = {k: e[part].to(policy.device) for k, e in cond.items()}
+        x = noise[part.to(noise.device)]  # the ODE keeps only the current state
+        for t, t_next in zip(grid[:-1].tolist(), grid[1:].tolist()):
+            x = ode_step(x, policy.velocity(x, torch.full((len(x),), t, device=x.device), part_cond), t, t_next)
         image = policy.decode(x)
         rewards.append(reward_fn(image, part_metas).float().cpu())
         images.append(image.cpu())  # only the part being scored stays on the device
@@ -1586,24 +1588,27 @@ T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31
 def comparison_table(evals: dict, seeds: list[int], args: Args, tags: list[str]) -> str:
     """comparison.md: each method against its base, then against Flow-GRPO at equal iterations and at about equal
     forward passes. Every difference is paired (the same held-out prompts and noise): each seed's, ± its standard
-    error over prompts, and their mean with a 95% interval over the seeds (Student's t; one seed: 1.96 s.e.)."""
+    error over prompts, and their mean with a 95% interval. Every seed meets the same held-out set, so the interval
+    adds two errors: the spread over seeds (Student's t) and, over prompts, that of the seeds' mean difference."""
     toy = "eval_strict" in next(iter(evals.values()))[0][0]
     rules = {"strict": "strict", "GenEval rule": "geneval"} if toy else {"reward": "reward"}
 
     def difference(pairs: list[tuple[dict, dict]], key: str) -> str:  # (evaluation, the one it is paired with) a seed
-        diffs = [by_category(a["scores"][key] - b["scores"][key], tags) for a, b in pairs]  # (mean, s.e.) a seed
-        d = [mean for mean, _ in diffs]
-        spread = np.std(d, ddof=1) / math.sqrt(len(d)) if len(d) > 1 else diffs[0][1]
-        half = T_975.get(len(d) - 1, 1.96) * spread
-        per_seed = ", ".join(f"{mean:+.3f} ± {se:.3f}" for mean, se in diffs)
-        return f"**{np.mean(d):+.3f}** [{np.mean(d) - half:+.3f}, {np.mean(d) + half:+.3f}] ({per_seed})"
+        diffs = [a["scores"][key] - b["scores"][key] for a, b in pairs]  # a seed's per-image differences
+        per_seed = [by_category(d, tags) for d in diffs]  # (mean, s.e. over prompts) a seed
+        d = [mean for mean, _ in per_seed]
+        seeds_se = np.std(d, ddof=1) / math.sqrt(len(d)) if len(d) > 1 else 0.0
+        prompts_se = by_category(torch.stack(diffs).mean(0), tags)[1]
+        half = math.hypot(T_975.get(len(d) - 1, 1.96) * seeds_se, 1.96 * prompts_se)
+        seeds = ", ".join(f"{mean:+.3f} ± {se:.3f}" for mean, se in per_seed)
+        return f"**{np.mean(d):+.3f}** [{np.mean(d) - half:+.3f}, {np.mean(d) + half:+.3f}] ({seeds})"
 
     rows = [["method", "passes per iteration", *(f"{r}: base → final" for r in rules),
              *(f"{r} gain [95% interval] (seeds)" for r in rules), *(["extra objects"] if toy else [])]]
     for m, runs in evals.items():
         base, final = [run[0] for run in runs], [run[-1] for run in runs]
-        scores = [f"{base[0]['scores'][k].mean():.3f} → {np.mean([e['scores'][k].mean() for e in final]):.3f}"
-                  for k in rules.values()]
+        scores = [f"{by_category(base[0]['scores'][k], tags)[0]:.3f} → "
+                  f"{np.mean([by_category(e['scores'][k], tags)[0] for e in final]):.3f}" for k in rules.values()]
         extra = [f"{base[0]['eval_extra']:.1%} → {np.mean([e['eval_extra'] for e in final]):.1%}"] if toy else []
         rows.append([m, f"{np.mean([e['nfe'] / e['iteration'] for e in final]):.0f}", *scores,
                      *(difference(list(zip(final, base)), k) for k in rules.values()), *extra])

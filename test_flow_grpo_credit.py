@@ -1443,8 +1443,9 @@ def test_real_time_grids_come_from_the_pipelines_schedulers(tiny_real):
 @pytest.mark.parametrize("model", ["sd3", "flux"])
 def test_the_deterministic_rollout_reproduces_the_pipelines_own_latents(tiny_real, model):
     """From the same starting noise, with the same steps and guidance (SD3: real CFG at 4.5 against the ""
-    prompt; FLUX: the distilled scale 3.5 as an input), the evaluation's ODE rollout ends on the latents that
-    StableDiffusion3Pipeline and FluxPipeline return with output_type="latent", up to float rounding."""
+    prompt; FLUX: the distilled scale 3.5 as an input), the ODE rollout ends on the latents that
+    StableDiffusion3Pipeline and FluxPipeline return with output_type="latent", and the evaluation's images
+    are the pipelines' decoded ones (output_type="pt"), both up to float rounding."""
     args = real_args(tiny_real, "x", model)
     policy = fgc.load_policy(args, torch.device("cpu"))
     prompts, steps = ["a photo of a cat", "a house"], 4
@@ -1456,6 +1457,14 @@ def test_the_deterministic_rollout_reproduces_the_pipelines_own_latents(tiny_rea
                              guidance_scale=policy.cfg if model == "sd3" else 3.5, output_type="latent").images
     assert theirs.shape == ours.shape and (ours - noise).abs().mean() > 0.1, "the rollout moved far from the noise"
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    metas = [{"prompt": p, "tag": "prompt"} for p in prompts]
+    images = fgc.evaluate(policy, dataclasses.replace(args, eval_steps=steps), lambda im, m: im.mean((1, 2, 3)),
+                          metas)[1]
+    eval_noise = fgc.initial_noise(policy, 2, fgc.generator("eval-noise"))
+    with torch.no_grad():
+        decoded = policy.pipe(prompts, latents=eval_noise, num_inference_steps=steps, height=32, width=32,
+                              guidance_scale=policy.cfg if model == "sd3" else 3.5, output_type="pt").images
+    torch.testing.assert_close(images, decoded, atol=1e-4, rtol=1e-4)
 
 
 def test_the_prompt_cache_keeps_the_most_recently_used_prompts_up_to_its_size(tiny_real, monkeypatch):
@@ -1675,7 +1684,9 @@ def test_a_comparison_states_each_method_against_flow_grpo_as_paired_differences
     def expected(pairs):  # [(scores, scores it is paired with)] per seed -> the cell
         diffs = [fgc.by_category(a - b, tags) for a, b in pairs]
         d = [mean for mean, _ in diffs]
-        half = 12.71 * np.std(d, ddof=1) / math.sqrt(2)  # Student's t of 1 degree of freedom
+        over_seeds = 12.71 * np.std(d, ddof=1) / math.sqrt(2)  # Student's t of 1 degree of freedom
+        over_prompts = 1.96 * fgc.by_category(sum(a - b for a, b in pairs) / 2, tags)[1]  # the seeds' mean
+        half = math.sqrt(over_seeds**2 + over_prompts**2)
         seeds = ", ".join(f"{mean:+.3f} ± {se:.3f}" for mean, se in diffs)
         return f"**{np.mean(d):+.3f}** [{np.mean(d) - half:+.3f}, {np.mean(d) + half:+.3f}] ({seeds})"
 
