@@ -562,8 +562,8 @@ class PipelinePolicy(Policy):
         found = {p: self.cache.pop(p) for p in dict.fromkeys(prompts) if p in self.cache}
         if new := [p for p in dict.fromkeys(prompts) if p not in found]:
             self.encoders.to(self.device)  # --low-memory keeps them on the CPU between uses
-            for part in np.array_split(new, math.ceil(len(new) / (self.args.micro_batch or len(new)))):
-                part = part.tolist()
+            size = self.args.micro_batch or len(new)
+            for part in (new[i:i + size] for i in range(0, len(new), size)):
                 if self.flux:
                     emb, pool, _ = self.pipe.encode_prompt(part, part, self.device, max_sequence_length=512)
                 else:  # the negative prompt "" is `empty`, encoded as a prompt of its own
@@ -1165,9 +1165,9 @@ def split_chunk_terms(policy, cond: dict, mb: Transitions, args: Args, pieces, c
     size = torch.bincount(chunk_of).float()  # (K,) members of each chunk
     total = torch.zeros_like(size).index_add(0, chunk_of, frozen)  # (K,) sum of each chunk's log-ratios
     terms = []
-    for piece in pieces:
-        mine = chunk_of[piece.to(frozen.device)]  # (n,) the chunk index of each of the piece's transitions
-        here = torch.zeros_like(size).index_add(0, mine, frozen[piece.to(frozen.device)])  # (K,) their sums
+    for piece in (piece.to(frozen.device) for piece in pieces):
+        mine = chunk_of[piece]  # (n,) the chunk index of each of the piece's transitions
+        here = torch.zeros_like(size).index_add(0, mine, frozen[piece])  # (K,) their log-ratios summed per chunk
         count = torch.bincount(mine, minlength=len(size))  # (K,) the piece's members of each chunk
         used = count > 0  # the piece's chunks, in sorted id order as segment_mean returns them
         terms.append((count[used] / size[used], (total - here)[used] / size[used]))
