@@ -2,6 +2,7 @@
 measured improvement of a short real run. Run with `python -m pytest -q`."""
 import collections
 import dataclasses
+import functools
 import inspect
 import io
 import itertools
@@ -62,10 +63,10 @@ def test_scorer_is_exact_on_rendered_ground_truth(name_colours):
     rng = random.Random(0)
     metas = [fgc.make_prompt(tag, rng, name_colours) for tag in fgc.TAGS for _ in range(100)]
     scores = fgc.score_batch(fgc.render_batch(metas, rng), metas)
-    assert set(scores) == {"geneval", "dense", "strict", "extra"}
+    assert set(scores) == {"geneval", "dense", "strict", "extra", "missing"}
     assert all(s.shape == (len(metas),) and s.device.type == "cpu" for s in scores.values())
     assert scores["geneval"].min() == 1 and scores["dense"].min() == 1
-    assert scores["strict"].min() == 1 and scores["extra"].max() == 0
+    assert scores["strict"].min() == 1 and scores["extra"].max() == 0 and scores["missing"].max() == 0
 
 
 def with_extra_shape(img: np.ndarray, meta: dict, rng: random.Random) -> np.ndarray | None:
@@ -107,7 +108,8 @@ def ground_truth_with_extras(per_tag: int, seed: int):
 def test_an_extra_object_fails_the_strict_rule_and_costs_only_the_strict_reward():
     """GenEval's rule accepts objects beyond those asked for; the strict rule and the default toy reward do
     not: one extra shape (of a class the prompt does not name, touching nothing) leaves GenEval's verdict
-    and the dense score as they were, makes strict 0 and extra 1, and costs toy-strict exactly the penalty."""
+    and the dense score as they were, makes strict 0 and extra 1, and costs toy-strict the strict half of the
+    reward plus the penalty."""
     metas, clean, extra = ground_truth_with_extras(per_tag=8, seed=3)
     a, b = fgc.score_batch(clean, metas), fgc.score_batch(extra, metas)
     assert a["geneval"].min() == 1 and a["strict"].min() == 1 and a["extra"].max() == 0
@@ -116,16 +118,42 @@ def test_an_extra_object_fails_the_strict_rule_and_costs_only_the_strict_reward(
     penalty = 0.3
     strict_clean, strict_extra = (fgc.toy_strict_reward(images, metas, penalty) for images in (clean, extra))
     assert (strict_clean > strict_extra).all()
-    torch.testing.assert_close(strict_clean - strict_extra, torch.full((len(metas),), penalty))
+    torch.testing.assert_close(strict_clean - strict_extra, torch.full((len(metas),), 0.5 + penalty))
     torch.testing.assert_close(fgc.toy_reward(extra, metas), fgc.toy_reward(clean, metas))  # GenEval's rule
     default = fgc.build_reward(fgc.Args(), torch.device("cpu"))  # the toy model's default reward is toy-strict
     assert fgc.reward_spec(fgc.Args()) == "toy-strict"
-    assert (default(clean, metas) - default(extra, metas)).min() == pytest.approx(fgc.Args().extra_penalty)
+    assert (default(clean, metas) - default(extra, metas)).min() == pytest.approx(0.5 + fgc.Args().extra_penalty)
     geneval = fgc.build_reward(fgc.Args(reward="toy"), torch.device("cpu"))
     torch.testing.assert_close(geneval(extra, metas), geneval(clean, metas))
     for i in (0, 1):  # score_image gives the same numbers, one image at a time
         img = extra[i].permute(1, 2, 0).numpy()
         assert fgc.score_image(img, metas[i]) == {k: float(v[i]) for k, v in b.items()}
+
+
+def without_last_object(meta: dict) -> dict:
+    """`meta` with its last asked object gone (a count one lower) and so no relation: a drawing of it misses one."""
+    *kept, last = meta["include"]
+    return {"include": kept + ([{"class": last["class"], "count": last["count"] - 1}] if last["count"] > 1 else [])}
+
+
+@pytest.mark.parametrize("penalty", [0.05, 0.25, 1.0])
+def test_the_default_reward_ranks_images_as_the_strict_rule_does(penalty):
+    """toy-strict, for every category and count: a strictly correct image scores 1, above every other; an image
+    that keeps every asked object and adds one (of another class, or one more of a counted class) scores above
+    the same prompt drawn without one of its asked objects, whatever the penalty."""
+    metas, clean, extra = ground_truth_with_extras(per_tag=8, seed=3)
+    rng = random.Random(4)
+    counted = [squares(n) for n in (2, 3)]
+    metas += counted
+    clean = torch.cat([clean, as_images([fgc.render(m, rng) for m in counted])])
+    one_more = [{"include": [{"class": "square", "count": m["include"][0]["count"] + 1}]} for m in counted]
+    extra = torch.cat([extra, as_images([fgc.render(m, rng) for m in one_more])])
+    dropped = as_images([fgc.render(without_last_object(m), rng) for m in metas])
+    reward = functools.partial(fgc.toy_strict_reward, metas=metas, penalty=penalty)
+    r_clean, r_extra, r_dropped = reward(clean), reward(extra), reward(dropped)
+    assert fgc.score_batch(dropped, metas)["missing"].min() == 1
+    assert r_clean.min() == 1 and r_extra.max() < 1 and r_dropped.max() < 1
+    assert (r_extra > r_dropped).all(), [m["prompt"] for m, ok in zip(metas, r_extra > r_dropped) if not ok]
 
 
 def test_detailed_captions_name_the_colours_they_draw():
