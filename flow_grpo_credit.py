@@ -33,8 +33,8 @@ on the CPU; what meets the model, a reward or a collective on `policy.device`; t
 `Transitions` and `build_reward`. Noise is drawn on CPU generators, so CPU and GPU runs match.
 
 Deviations from the papers and official codes, cited as "Deviation n" where the code makes them
-    1. The toy world stands in for SD3.5 + GenEval. Its default reward, toy-strict, is GenEval's dense
-       score minus a penalty per extra object: GenEval's rule accepts extra objects, and GRPO learns them.
+    1. The toy world stands in for SD3.5 + GenEval. Its default reward, toy-strict, ranks images as the strict rule
+       does: GenEval's rule accepts extra objects, and GRPO learns them; a charge on extras alone drops asked ones.
     2. KL is the exact KL of one transition, mean_d (mu - mu_ref)^2 / (2 s_k^2) with s_k = sigma_t
        sqrt(dt_k); Flow-GRPO's code divides by sigma_t^2, so equal penalties need beta = beta_FlowGRPO * dt_k.
     3. Advantages use the group's population std + 1e-4 in every method (Flow-GRPO's SD3.5 configs: the
