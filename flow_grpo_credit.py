@@ -212,7 +212,7 @@ class Args:
     pretrain_batch: int = 64  # toy: pretraining batch size
     pretrain_lr: float = 2e-3  # toy: pretraining learning rate
     pretrain_detailed: float = 0.5  # toy: fraction of pretraining captions that name every colour
-    pretrain_unnamed: float = 0.4  # toy: fraction of pretraining images with an object the caption leaves unnamed
+    pretrain_unnamed: float = 0.3  # toy: fraction of pretraining images with an object the caption leaves unnamed
 
     checkpoint_every: int = 10  # write checkpoint.pt every N iterations (and at the end); --resume RUN_DIR continues
     max_nonfinite: int = 3  # stop after this many iterations in a row with non-finite rewards, advantages or loss
@@ -478,7 +478,7 @@ def pretrain_toy(args: Args, device) -> dict:
     """Rectified-flow pretraining on rendered shapes: |v(x_t, t, c) - (x1 - x0)|^2, logit-normal t (as SD3),
     10% empty captions for CFG, an EMA (0.99) of the weights. Seeded. -> the parts by name.
 
-    The base's one flaw, on purpose: `pretrain_unnamed` (40%) of the images hold one more object, of a class the
+    The base's one flaw, on purpose: `pretrain_unnamed` (30%) of the images hold one more object, of a class the
     caption does not name, as web alt-text leaves objects out. The base then adds an unasked object to about a
     third of its images, on every kind of prompt: a defect all prompts share, which RL removes in minutes, and
     whose removal the methods race on. Its other errors (position, counting) are prompt by prompt."""
