@@ -1112,24 +1112,25 @@ def chunk_sizes_of(policy, args: Args, grid: torch.Tensor, dist: Dist = Dist()) 
 # ----------------------------------------------------------------------------------------------------
 # 8 GRPO loss and update (shared)
 
-def grpo_loss(policy, cond: dict, tr: Transitions, args: Args, totals: tuple | None = None, outside=None):
+def grpo_loss(policy, cond: dict, tr: Transitions, args: Args, whole: tuple | None = None):
     """The clipped GRPO objective as every official code writes it -> (loss, stats):
         ratio_j = exp(mean_{k in chunk j} log pi_theta(x_{k+1} | x_k) - log pi_old(x_{k+1} | x_k))
         loss    = mean_j w_j max(-A_j ratio_j, -A_j clip(ratio_j, 1 - eps, 1 + eps))  +  beta mean_k KL_k
-    Only Chunk-GRPO makes chunks of several transitions: for the other four every chunk is one transition, the
-    chunk mean is the step's own log-ratio, and this is Flow-GRPO's per-step loss. The clip acts on the D-th root
-    of the likelihood ratio (log-probs are means over D dims): on the whole image it allows exp(D eps), about 2.2 on
-    the toy (D = 768, eps = 1e-3) and about 700 on SD3.5 at 512 px (D = 65,536, eps = 1e-4), so the toy's range
-    and the papers' do not compare. approx_kl is 1/2 E[log_ratio^2], the k2 estimate Flow-GRPO's and DDPO's codes
-    log (CleanRL's (ratio - 1) - log ratio is k3; at |log ratio| ~ 1e-3 the two agree to third order). The KL is
-    to the adapter-disabled reference (Deviation 2). `totals` = (chunks, transitions) of the whole minibatch when
-    `tr` is a micro-batch of it;
-    `outside` = (scale, offset) (K,) when it splits chunks: log_ratio_j = scale_j * (the piece's mean) + offset_j."""
+    Only Chunk-GRPO's chunks hold several transitions; with one a chunk this is Flow-GRPO's per-step loss. The clip
+    acts on the D-th root of the likelihood ratio: on the whole image it allows exp(D eps), about 2.2 on the toy
+    (D = 768, eps = 1e-3) and about 700 on SD3.5 at 512 px (D = 65,536, eps = 1e-4), so the toy's range and the
+    papers' do not compare. approx_kl is 1/2 E[log_ratio^2], the k2 estimate Flow-GRPO's and DDPO's codes log
+    (CleanRL's (ratio - 1) - log ratio is k3; at |log ratio| ~ 1e-3 the two agree to third order). The KL is to the
+    adapter-disabled reference (Deviation 2). `whole` = (minibatch, tr's indices in it, its log-ratios (N,) without
+    gradient, or None) for a micro-batch `tr`: sums divide by the minibatch's counts, and a chunk's members outside
+    `tr` enter its ratio frozen, so each micro-batch backpropagates exactly its members' share of the gradient."""
     log_prob, mean = transition_log_probs(policy, cond, tr, args)
     log_ratio = chunk_log_ratios(log_prob, tr.log_prob, tr.chunk)  # (K,)
-    if outside is not None:  # the chunk's members in other pieces enter with their log-ratios frozen
-        log_ratio = log_ratio * outside[0] + outside[1]
-    ratio, n_chunks, n_transitions = torch.exp(log_ratio), *(totals or (len(log_ratio), len(tr)))
+    mb, piece, frozen = whole or (tr, None, None)
+    if frozen is not None:  # each chunk's mean over all its members, those outside the piece frozen
+        mixed = frozen.index_put((piece.to(frozen.device),), log_prob - tr.log_prob)  # (N,)
+        log_ratio = segment_mean(mixed, mb.chunk)[0][torch.isin(mb.chunk.unique(), tr.chunk).to(mixed.device)]
+    ratio, n_chunks, n_transitions = torch.exp(log_ratio), len(torch.unique(mb.chunk)), len(mb)
     adv = segment_mean(tr.advantage, tr.chunk)[0].clamp(-args.adv_clip, args.adv_clip)
     clipped = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
     policy_terms = segment_mean(tr.weight, tr.chunk)[0] * torch.maximum(-adv * ratio, -adv * clipped)  # (K,)
@@ -1165,35 +1166,17 @@ def adapter_disabled(net):
 def accumulate_gradients(policy, cond: dict, mb: Transitions, args: Args) -> list[dict]:
     """Backward of a minibatch's loss in pieces of `micro_batch` transitions; under DDP only the last backward syncs."""
     pieces = torch.arange(len(mb)).split(args.micro_batch or len(mb))  # (N,) CPU indices, a forward pass each
-    ids, chunk_of = torch.unique(mb.chunk, return_inverse=True)  # (K,), (N,) each transition's chunk index
-    outside = [None] * len(pieces)
-    if len(pieces) > 1 and len(ids) < len(mb):  # chunks of several transitions may fall into two pieces
-        outside = split_chunk_terms(policy, cond, mb, args, pieces, chunk_of)
+    frozen = None
+    if len(pieces) > 1 and len(torch.unique(mb.chunk)) < len(mb):  # a chunk may be split: freeze its log-ratios
+        with torch.no_grad():
+            frozen = torch.cat([transition_log_probs(policy, cond, mb[p], args)[0] for p in pieces]) - mb.log_prob
     no_sync, stats = getattr(policy.denoiser, "no_sync", contextlib.nullcontext), []
     for i, piece in enumerate(pieces):
         with no_sync() if i < len(pieces) - 1 else contextlib.nullcontext():
-            loss, piece_stats = grpo_loss(policy, cond, mb[piece], args, (len(ids), len(mb)), outside[i])
+            loss, piece_stats = grpo_loss(policy, cond, mb[piece], args, (mb, piece, frozen))
             loss.backward()
         stats.append(piece_stats)
     return stats
-
-def split_chunk_terms(policy, cond: dict, mb: Transitions, args: Args, pieces, chunk_of) -> list[tuple]:
-    """Per piece, (scale, offset) of its chunks (K_p,): scale * (the piece's mean log-ratio of a chunk) + offset is the
-    whole chunk's mean, the members in other pieces frozen at this pass's values. Each piece so backpropagates its
-    members' exact share of the chunk ratio's gradient, and no forward pass holds more than `micro_batch`."""
-    with torch.no_grad():
-        frozen = torch.cat([transition_log_probs(policy, cond, mb[p], args)[0] for p in pieces]) - mb.log_prob  # (N,)
-    chunk_of = chunk_of.to(frozen.device)
-    size = torch.bincount(chunk_of).float()  # (K,) members of each chunk
-    total = torch.zeros_like(size).index_add(0, chunk_of, frozen)  # (K,) sum of each chunk's log-ratios
-    terms = []
-    for piece in (piece.to(frozen.device) for piece in pieces):
-        mine = chunk_of[piece]  # (n,) the chunk index of each of the piece's transitions
-        here = torch.zeros_like(size).index_add(0, mine, frozen[piece])  # (K,) their log-ratios summed per chunk
-        count = torch.bincount(mine, minlength=len(size))  # (K,) the piece's members of each chunk
-        used = count > 0  # the piece's chunks, in sorted id order as segment_mean returns them
-        terms.append((count[used] / size[used], (total - here)[used] / size[used]))
-    return terms
 
 def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Generator, dist: Dist = Dist()) -> dict:
     """Inner PPO updates, the first on-policy (ratio 1): a shuffled `train_fraction` of the chunks in `inner_updates`
@@ -1202,14 +1185,13 @@ def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Gene
     ids = torch.unique(tr.chunk)
     order = ids[torch.randperm(len(ids), generator=gen)][: max(1, round(len(ids) * args.train_fraction))]
     n_steps = int(dist.reduce(min(args.inner_updates, len(order)), "min"))
-    params = [p for p in policy.net.parameters() if p.requires_grad]
     stats, norms, trained = [], [], 0
     policy.net.train()
     for part in torch.tensor_split(order, n_steps) if n_steps else []:
         mb = tr[torch.isin(tr.chunk, part)]
         opt.zero_grad(set_to_none=True)
         stats, trained = stats + accumulate_gradients(policy, cond, mb, args), trained + len(mb)
-        norms.append(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
+        norms.append(torch.nn.utils.clip_grad_norm_(policy.net.parameters(), args.max_grad_norm))  # the adapter's grads
         if not torch.isfinite(norms[-1]):  # DDP's average carries a NaN to every rank: all skip together
             stats = [{"skipped": torch.ones(())}]
             break
@@ -1226,11 +1208,10 @@ def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Gene
 # 9 Train loop and checkpoints
 
 def add_lora(policy, args: Args) -> list[torch.nn.Parameter]:
-    """LoRA through peft on the denoiser (diffusers' add_adapter); the base weights are frozen."""
+    """LoRA through peft on the denoiser (diffusers' add_adapter, which freezes the base weights)."""
     from diffusers.training_utils import cast_training_params
     from peft import LoraConfig
     torch.manual_seed(stable_seed(args.seed, "lora"))
-    policy.net.requires_grad_(False)
     rank, alpha = args.lora_rank or policy.lora_defaults[0], args.lora_alpha or policy.lora_defaults[1]
     policy.net.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian",
                                       target_modules=policy.lora_targets))
@@ -1262,8 +1243,8 @@ RULES = {  # what a valid value of each flag is, and how to tell
     "positive integers like 1,2,3": (["granularities"], lambda v: min(parse_ints(v, "--granularities")) >= 1),
 }
 
-def validate(args: Args) -> None:
-    """Every bad input becomes one UsageError naming the flag and what is valid."""
+def validate(args: Args) -> Args:
+    """Every bad input becomes one UsageError naming the flag and what is valid; -> `resolved(args)`."""
     for name, options in CHOICES.items():
         if getattr(args, name) not in options:
             raise UsageError(f"unknown --{name} {getattr(args, name)!r}; choose one of {', '.join(options)}")
@@ -1275,8 +1256,7 @@ def validate(args: Args) -> None:
         raise UsageError(f"--noise-level of the {args.sde} SDE must be in (0, 1], got {args.noise_level!r}")
     if args.model != "toy" and args.model.startswith((".", "/", "~")) and not Path(args.model).expanduser().exists():
         raise UsageError(f"--model {args.model}: no such folder (a diffusers pipeline folder or a hub id is expected)")
-    toy_reward_named = any(n.startswith("toy") for n, _ in parse_reward(reward_spec(args)))
-    if toy_reward_named and (args.model != "toy" or args.prompts):
+    if any(n.startswith("toy") for n, _ in parse_reward(reward_spec(args))) and (args.model != "toy" or args.prompts):
         raise UsageError("--reward toy scores the built-in toy prompts on the toy model; use pickscore or clip here")
     if args.prompts and not Path(args.prompts).is_file():
         raise UsageError(f"--prompts {args.prompts}: no such file (one prompt a line is expected)")
@@ -1287,6 +1267,7 @@ def validate(args: Args) -> None:
     parse_chunks(args.chunks, int(trainable.sum()))
     parse_ints(args.compare_seeds, "--compare-seeds", "0,1,2")
     resolve_device(args.device)
+    return resolved(args)
 
 def resolved(args: Args) -> Args:
     """`args` with the defaults that depend on other flags filled in: the method's iterations, real micro-batches."""
@@ -1348,20 +1329,18 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
     """GRPO with the chosen credit assignment -> the metric records (also in metrics.jsonl). `resume`, a run
     folder, continues from its checkpoint. Under torchrun DDP averages gradients, rank 0 evaluates and writes."""
     from diffusers.training_utils import EMAModel
-    validate(args)
-    args = resolved(args)
+    args = validate(args)
     dist = Dist.setup(resolve_device(args.device))
     if args.group_size % dist.world:
         raise UsageError(f"--group-size {args.group_size} must be a multiple of the {dist.world} ranks")
     writer, parts = dist.rank == 0, setup(args, dist)
     run = Path(resume or Path(args.out) / f"{args.method}-seed{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if writer and not resume:  # made after loading: a model that fails to load leaves no empty folder
+    if writer:  # made after loading: a model that fails to load leaves no empty folder
         try:
-            run.mkdir(parents=True)
+            run.mkdir(parents=True, exist_ok=bool(resume))
         except OSError as e:
             raise UsageError(f"--out {args.out!r}: cannot create the run folder {run} ({e.strerror or e})") from None
-    if writer:  # one writer per run folder: the lock is the process's until it exits
-        lock = (run / ".lock").open("w")
+        lock = (run / ".lock").open("w")  # one writer per run folder: the lock is the process's until it exits
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -1415,43 +1394,34 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
         if bad_in_row >= args.max_nonfinite:
             raise RunError(f"stopped at iteration {it}: {bad_in_row} iterations in a row had non-finite rewards, "
                            f"advantages or loss; the last good checkpoint is in {run}")
-        record(iteration_record(it, rewards, transitions, stats, ctx, wall))
+        rewards = dist.gather(rewards.float())  # the iteration's line of metrics.jsonl: counters summed over ranks
+        adv_abs = segment_mean(transitions.advantage.abs(), transitions.step)[0].tolist()  # one host sync
+        per_step = {f"adv_abs/{k}": a for k, a in zip(transitions.step.unique().tolist(), adv_abs)}
+        record({"iteration": it, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()), **stats,
+                "zero_std_frac": float(torch.cat(ctx.stats["zero_std"]).float().mean()),  # the same on all ranks
+                "transitions": int(dist.reduce(len(transitions))), "nfe": int(dist.reduce(meter.nfe)),
+                "reward_calls": int(dist.reduce(meter.reward_calls)), "wall_s": round(wall, 2), **per_step})
         bar.set_postfix(reward=f"{history[-1]['reward_mean']:.3f}", kl=f"{history[-1].get('kl', 0):.2g}")
         if it % args.eval_every == 0 or it == args.iterations:
             run_eval(it)
         if (it % args.checkpoint_every == 0 or it == args.iterations) and not bad_in_row and writer:
             save_checkpoint(run, parts.policy, parts.opt, ema, {"iteration": it, "meter": dataclasses.asdict(meter),
-                                                        "wall": wall, "history": history,
-                                                        "base_scores": state["base_scores"]})
+                            "wall": wall, "history": history, "base_scores": state["base_scores"]})
     log.close()
     if writer:
         with ema_applied(ema, parts.params):
             parts.policy.save_lora(run / "lora")
         plot_curves(history, run / "reward_curve.png", args.method)
-        print_summary(run, history, args, wall)
+        first, *_, last = [h for h in history if "eval_overall" in h]
+        score = "toy-GenEval overall" if args.model == "toy" else "held-out reward"
+        print(f"done: {run}\n{score} {first['eval_overall']:.3f} -> {last['eval_overall']:.3f} "
+              f"({last['gain_overall']:+.3f} ± {last['gain_overall_se']:.3f} paired s.e.) in {wall / 60:.1f} min "
+              f"of training, {history[-1]['nfe']:.3g} forward passes")
+        if "eval_strict" in last:
+            print(f"strict (the asked objects, nothing else) {first['eval_strict']:.3f} -> {last['eval_strict']:.3f} "
+                  f"({last['gain_strict']:+.3f} ± {last['gain_strict_se']:.3f}); "
+                  f"images with extra objects {first['eval_extra']:.1%} -> {last['eval_extra']:.1%}")
     return history
-
-def iteration_record(it: int, rewards, transitions: Transitions, stats: dict, ctx: Context, wall: float) -> dict:
-    """One line of metrics.jsonl; counters summed over ranks."""
-    dist, rewards = ctx.dist, ctx.dist.gather(rewards.float())
-    adv_abs = segment_mean(transitions.advantage.abs(), transitions.step)[0].tolist()  # one host sync
-    per_step = {f"adv_abs/{k}": a for k, a in zip(transitions.step.unique().tolist(), adv_abs)}
-    zero_std = torch.cat(ctx.stats["zero_std"]).float().mean()  # over whole groups, the same on every rank
-    return {"iteration": it, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()), **stats,
-            "zero_std_frac": float(zero_std), "transitions": int(dist.reduce(len(transitions))),
-            "nfe": int(dist.reduce(ctx.meter.nfe)), "reward_calls": int(dist.reduce(ctx.meter.reward_calls)),
-            "wall_s": round(wall, 2), **per_step}
-
-def print_summary(run: Path, history: list[dict], args: Args, wall: float) -> None:
-    first, *_, last = [h for h in history if "eval_overall" in h]
-    score = "toy-GenEval overall" if args.model == "toy" else "held-out reward"
-    print(f"done: {run}\n{score} {first['eval_overall']:.3f} -> {last['eval_overall']:.3f} "
-          f"({last['gain_overall']:+.3f} ± {last['gain_overall_se']:.3f} paired s.e.) in {wall / 60:.1f} min "
-          f"of training, {history[-1]['nfe']:.3g} forward passes")
-    if "eval_strict" in last:
-        print(f"strict (the asked objects, nothing else) {first['eval_strict']:.3f} -> {last['eval_strict']:.3f} "
-              f"({last['gain_strict']:+.3f} ± {last['gain_strict_se']:.3f}); "
-              f"images with extra objects {first['eval_extra']:.1%} -> {last['eval_extra']:.1%}")
 
 @contextlib.contextmanager
 def ema_applied(ema, params: list):
@@ -1489,20 +1459,18 @@ def load_checkpoint(run: Path, policy, opt, ema) -> dict:
 @torch.no_grad()
 def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None):
     """Deterministic (fixed prompts and noise, `eval_steps` ODE steps) -> (metrics, images, metas, per-image scores:
-    the reward and, on toy, score_batch's). eval_overall: toy-GenEval (the mean of the category accuracies) or the
-    mean held-out reward, ± eval_se (s.e.)."""
+    the reward and, on toy, score_batch's). eval_overall: toy-GenEval (mean category accuracy) or reward, ± eval_se."""
     metas = metas or eval_prompts(args.eval_per_tag)
     grid, noise = policy.time_grid(args.eval_steps), initial_noise(policy, len(metas), generator("eval-noise"))
     images, rewards, reward_fn = [], [], reward_fn or build_reward(args, policy.device)
     cond = policy.encode([m["prompt"] for m in metas], device="cpu")  # the text encoders' one use, kept on the CPU
     for part in torch.arange(len(metas)).split(args.micro_batch or len(metas)):
-        part_metas = [metas[i] for i in part.tolist()]
         part_cond = {k: e[part].to(policy.device) for k, e in cond.items()}
         x = noise[part.to(noise.device)]  # the ODE keeps only the current state
         for t, t_next in zip(grid[:-1].tolist(), grid[1:].tolist()):
             x = ode_step(x, policy.velocity(x, torch.full((len(x),), t, device=x.device), part_cond), t, t_next)
         image = policy.decode(x)
-        rewards.append(reward_fn(image, part_metas).float().cpu())
+        rewards.append(reward_fn(image, [metas[i] for i in part.tolist()]).float().cpu())
         images.append(image.cpu())  # only the part being scored stays on the device
     images, rewards, tags = torch.cat(images), torch.cat(rewards), [m.get("tag", "prompt") for m in metas]
     if args.model != "toy":
@@ -1529,16 +1497,14 @@ def paired_gains(after: dict, before: dict, tags: list[str]) -> dict:
     gains = {name: by_category(after[key] - before[key], tags) for name, key in keys.items() if key in after}
     return {k: v for name, (gain, se) in gains.items() for k, v in ((f"gain_{name}", gain), (f"gain_{name}_se", se))}
 
-def save_grid(images: torch.Tensor, metas: list[dict], scores: dict, path: Path, title: str,
-              per_row: int = 6) -> None:
+def save_grid(images: torch.Tensor, metas: list[dict], scores: dict, path: Path, title: str, per_row: int = 6) -> None:
     """A PNG: a row per toy category with GenEval's verdict (✓/✗, +n extra objects), or up to six of prompts."""
     from matplotlib.figure import Figure
     toy = "geneval" in scores
     groups = [m["tag"] if toy else f"prompts {i // per_row * per_row + 1}-" for i, m in enumerate(metas)]
     rows = {name: [i for i, g in enumerate(groups) if g == name][:per_row] for name in list(dict.fromkeys(groups))[:6]}
     fig = Figure(figsize=(per_row * 1.6, len(rows) * 1.9), layout="tight")
-    axes = fig.subplots(len(rows), per_row, squeeze=False)
-    for (name, idx), row in zip(rows.items(), axes):
+    for (name, idx), row in zip(rows.items(), fig.subplots(len(rows), per_row, squeeze=False)):
         row[0].text(-0.1, 0.5, name, transform=row[0].transAxes, rotation=90, va="center", ha="right", fontsize=7)
         for ax in row:
             ax.axis("off")
@@ -1566,8 +1532,7 @@ def line_plots(panels: list[tuple[str, str, dict]], path: Path) -> None:
 SCORES = ("eval_overall", "eval_strict", "eval_extra")  # the held-out scores plotted (the last two: toy only)
 
 def plot_curves(history: list[dict], path: Path, label: str) -> None:
-    """Training reward, the held-out scores and the credit map (mean |advantage| of each step, and the share of
-    flat groups, which get none) against iterations."""
+    """Training reward, held-out scores, credit map (each step's mean |advantage|, flat groups' share) by iteration."""
     train, evals = [h for h in history if "reward_mean" in h], [h for h in history if "eval_overall" in h]
     its = [h["iteration"] for h in train]
     reward = {label: (its, [h["reward_mean"] for h in train])}
@@ -1585,20 +1550,17 @@ def compare(args: Args, folder: str | None = None) -> Path:
     seeds = parse_ints(args.compare_seeds, "--compare-seeds")
     methods = list(CREDIT_ASSIGNMENT) if args.method == "all" else args.method.split(",")
     folder = Path(folder) if folder else Path(args.out) / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
-    for m in methods:  # every method's flags, before the first run starts
-        validate(dataclasses.replace(args, method=m))
-    runs = [dataclasses.replace(args, method=m, seed=seed, compare_seeds=str(seed), out=str(folder))
-            for m in methods for seed in seeds]  # each run's args.json says one run
+    runs = [validate(dataclasses.replace(args, method=m, seed=seed, compare_seeds=str(seed), out=str(folder)))
+            for m in methods for seed in seeds]  # all validated before the first starts; each args.json says one run
     started = [sorted(folder.glob(f"{a.method}-seed{a.seed}-*/checkpoint.pt")) for a in runs]
     resumes = [str(found[-1].parent) if found else None for found in started]  # what --resume continues
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-    evals = []  # (methods * seeds) runs, each its evaluations with their per-image scores
+    evals = {m: [] for m in methods}  # each method's runs (a seed each), each its evaluations with per-image scores
     for a, resume in zip(runs, resumes):
         history, run = train(a, resume), sorted(folder.glob(f"{a.method}-seed{a.seed}-*/metrics.jsonl"))[-1].parent
-        evals.append([h | {"scores": torch.load(run / f"scores_{h['iteration']:04d}.pt", weights_only=True)}
-                      for h in history if "eval_overall" in h])
-    evals = {m: evals[i * len(seeds):(i + 1) * len(seeds)] for i, m in enumerate(methods)}
+        evals[a.method].append([h | {"scores": torch.load(run / f"scores_{h['iteration']:04d}.pt", weights_only=True)}
+                                for h in history if "eval_overall" in h])
     tags = [m.get("tag", "prompt") for m in prompt_sets(args)[1]]
     (folder / "comparison.md").write_text(comparison_table(evals, seeds, args, tags))
     plot_comparison(evals, folder / "comparison.png")
@@ -1641,9 +1603,6 @@ def comparison_table(evals: dict, seeds: list[int], args: Args, tags: list[str])
     flow = evals["flow_grpo"]
     common = max(set.intersection(*({e["iteration"] for e in run} for runs in evals.values() for run in runs)))
 
-    def at_iteration(run: list[dict]) -> dict:
-        return next(e for e in run if e["iteration"] == common)
-
     def near_nfe(run: list[dict], ref: list[dict]) -> tuple[dict, dict]:  # the last evaluation within Flow-GRPO's
         mine = ([e for e in run[1:] if e["nfe"] <= 1.1 * ref[-1]["nfe"]] or run[1:2])[-1]  # budget, and its nearest
         return mine, min(ref[1:], key=lambda e: abs(e["nfe"] - mine["nfe"]))
@@ -1652,7 +1611,7 @@ def comparison_table(evals: dict, seeds: list[int], args: Args, tags: list[str])
                *(f"{r}, ~equal nfe" for r in rules)]]
     for m, runs in evals.items():
         if m != "flow_grpo":
-            same_it = [(at_iteration(run), at_iteration(ref)) for run, ref in zip(runs, flow)]
+            same_it = [[e for e in run + ref if e["iteration"] == common] for run, ref in zip(runs, flow)]
             same_nfe = [near_nfe(run, ref) for run, ref in zip(runs, flow)]
             nfe = " / ".join(f"{np.mean([pair[i]['nfe'] for pair in same_nfe]):.3g}" for i in (0, 1))
             versus.append([m, *(difference(same_it, k) for k in rules.values()), nfe,
@@ -1678,8 +1637,7 @@ def step_spread(args: Args) -> dict:
     """Which steps decide the image (TempFlow's and G2RPO's premise), by TempFlow's branching with one seed at every
     step: from the ODE path of `spread` prompts a category, G children take one SDE step at step k and the ODE to
     t = 0; the std of their rewards per category and step, and each share of their sum -> --out/step_spread.png."""
-    validate(args)
-    args, device = dataclasses.replace(resolved(args), seeds=1, branch_steps=0), resolve_device(args.device)
+    args, device = dataclasses.replace(validate(args), seeds=1, branch_steps=0), resolve_device(args.device)
     policy, reward_fn = load_policy(args, device), build_reward(args, device)
     metas = eval_prompts(args.spread, seed=99) if args.model == "toy" else prompt_sets(args)[1][: args.spread]
     ctx = Context(policy, args, Meter(), generator(args.seed, "spread"), metas,
@@ -1698,12 +1656,10 @@ def step_spread(args: Args) -> dict:
     return result
 
 def benchmark(args: Args) -> dict:
-    """Seconds per phase of `args.benchmark` iterations after an untimed warm-up one, images per second and
-    peak memory. Nothing is written."""
-    validate(args)
+    """Seconds per phase of `args.benchmark` iterations after an untimed warm-up, images/s, peak memory; no files."""
+    args, dist = validate(args), Dist(device=resolve_device(args.device))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError("--benchmark measures one process on one device; run it without torchrun")
-    args, dist = resolved(args), Dist(device=resolve_device(args.device))
     parts, cuda = setup(args, dist), dist.device.type == "cuda"
     spent, sync = collections.Counter(), torch.cuda.synchronize if cuda else (lambda: None)
 
@@ -1722,8 +1678,7 @@ def benchmark(args: Args) -> dict:
         transitions, _ = timed("sample_s", CREDIT_ASSIGNMENT[args.method], ctx)
         stats = timed("train_s", update, parts.policy, parts.opt, ctx.cond, transitions, args, ctx.gen)
         spent["sample_s"] -= spent["reward_s"]  # the reward ran inside the sampling phase
-        counts = {"passes": ctx.meter.nfe, "images": ctx.meter.reward_calls, "transitions": stats.get("trained", 0)}
-        return dict(spent) | counts
+        return dict(spent, passes=ctx.meter.nfe, images=ctx.meter.reward_calls, transitions=stats.get("trained", 0))
 
     iteration(0)  # warm-up: kernels, allocator and caches
     if cuda:
