@@ -375,7 +375,7 @@ def score_image(img: np.ndarray, meta: dict) -> dict:
             "missing": missing}
 
 def score_batch(images: torch.Tensor, metas: list[dict]) -> dict[str, torch.Tensor]:
-    """(N, 3, RES, RES) images in [0, 1] -> {"geneval", "dense", "strict", "extra", "missing"}: (N,) each, on the CPU."""
+    """(N, 3, RES, RES) images in [0, 1] -> score_image's five scores by name, (N,) each, on the CPU."""
     arr = images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()
     scores = [score_image(img, meta) for img, meta in zip(arr, metas)]
     return {k: torch.tensor([float(s[k]) for s in scores]) for k in scores[0]}
@@ -486,8 +486,8 @@ def pretrain_toy(args: Args, device) -> dict:
     unet, text_encoder = build_toy_modules(seed=0, device=device)
     tokenizer, params = build_tokenizer(), [*unet.parameters(), *text_encoder.parameters()]
     opt = torch.optim.AdamW(params, lr=args.pretrain_lr, weight_decay=0.0)
-    warmup_cosine = lambda i: min(1.0, (i + 1) / 50) * (1 + math.cos(math.pi * i / args.pretrain_steps)) / 2  # noqa: E731
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine)
+    sched = torch.optim.lr_scheduler.LambdaLR(  # a linear warm-up over 50 steps, then a cosine to 0
+        opt, lambda i: min(1.0, (i + 1) / 50) * (1 + math.cos(math.pi * i / args.pretrain_steps)) / 2)
     ema, rng, gen = EMAModel(params, decay=0.99), random.Random(0), torch.Generator().manual_seed(0)
     for _ in tqdm(range(args.pretrain_steps), desc="pretraining toy model", leave=False):
         metas = train_prompts(args.pretrain_batch, rng, args.pretrain_detailed)

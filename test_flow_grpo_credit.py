@@ -182,7 +182,7 @@ def test_scorer_rejects_images_of_other_prompts():
     empty = torch.zeros(1, 3, fgc.RES, fgc.RES)
     scores = fgc.score_batch(empty, [circle("red")])
     assert {k: v.tolist() for k, v in scores.items()} == {"geneval": [0.0], "dense": [0.0], "strict": [0.0],
-                                                          "extra": [0.0]}
+                                                          "extra": [0.0], "missing": [1.0]}
 
 
 def test_prompts_follow_geneval_schema():
@@ -247,7 +247,7 @@ def test_evaluate_reports_geneval_strict_and_extra_rates_per_category():
     metrics, *_ = fgc.evaluate(policy, dataclasses.replace(args, micro_batch=5), fgc.toy_reward, metas)
     assert policy.encoded == len(metas), "in micro-batches, every prompt once"
     assert metrics["eval_reward"] == pytest.approx(float(fgc.toy_reward(images, metas).mean()))
-    assert set(scores) == {"geneval", "dense", "strict", "extra", "reward"}
+    assert set(scores) == {"geneval", "dense", "strict", "extra", "missing", "reward"}
     two = [i for i, m in enumerate(metas) if m["tag"] in ("counting", "position")]  # any subset of the categories
     sub = GroundTruthPolicy([metas[i] for i in two], images[two] * 2 - 1)
     metrics, *_ = fgc.evaluate(sub, args, metas=[metas[i] for i in two])
