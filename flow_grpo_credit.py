@@ -162,7 +162,7 @@ class Args:
     model: str = "toy"  # 'toy' (the embedded shapes world), or a diffusers folder / hub id of SD3, SD3.5, FLUX.1
     reward: str = "auto"  # toy-strict, toy, pickscore, clip or a sum clip:0.3,pickscore:1 (auto: toy-strict/pickscore)
     reward_model: str = ""  # CLIP model of pickscore/clip, a path or hub id; name=path,... for a sum
-    extra_penalty: float = 0.25  # toy-strict: reward lost per object beyond, or missing from, those the prompt asks for
+    extra_penalty: float = 0.5  # toy-strict: reward lost per object beyond, or missing from, those the prompt asks for
     prompts: str = ""  # a text file, one prompt a line, every 10th held out (default: the toy prompts)
     resolution: int = 512  # image size of a real model (the toy world is 16 px)
     dtype: str = "auto"  # fp32 or bf16 weights of a real model (auto: bf16 on CUDA); the SDE math stays fp32
