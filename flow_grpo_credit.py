@@ -1535,7 +1535,9 @@ def plot_curves(history: list[dict], path: Path, label: str) -> None:
     """Training reward, held-out scores, credit map (each step's mean |advantage|, flat groups' share) by iteration."""
     train, evals = [h for h in history if "reward_mean" in h], [h for h in history if "eval_overall" in h]
     its = [h["iteration"] for h in train]
-    reward = {label: (its, [h["reward_mean"] for h in train])}
+    rewards, window = [h["reward_mean"] for h in train], min(8, len(train))  # 8 prompts an iteration: noisy
+    trend = np.convolve(rewards, np.ones(window) / window, "valid").tolist()  # the mean of each `window` iterations
+    reward = {label: (its, rewards), f"mean of {window} iterations": (its[window - 1:], trend)}
     scores = {k: ([h["iteration"] for h in evals], [h[k] for h in evals]) for k in SCORES if k in evals[0]}
     steps = sorted({k for h in train for k in h if k.startswith("adv_abs/")}, key=lambda k: int(k[8:]))
     credit = {f"step {k[8:]}": (its, [h.get(k, 0.0) for h in train]) for k in steps}
