@@ -156,6 +156,19 @@ def test_the_default_reward_ranks_images_as_the_strict_rule_does(penalty):
     assert (r_extra > r_dropped).all(), [m["prompt"] for m, ok in zip(metas, r_extra > r_dropped) if not ok]
 
 
+def test_the_base_s_flaw_draws_one_object_its_caption_does_not_name():
+    """with_unnamed_object, the pretraining flaw: one more object, of a class the prompt does not name, so that
+    the drawing still passes GenEval's rule for the caption but fails the strict rule with one extra object."""
+    rng = random.Random(5)
+    metas = [fgc.make_prompt(tag, rng) for tag in fgc.TAGS for _ in range(20)]
+    drawn = [fgc.with_unnamed_object(m, rng) for m in metas]
+    for m, d in zip(metas, drawn):
+        assert d["prompt"] == m["prompt"] and d["include"][:-1] == m["include"]
+        assert d["include"][-1]["class"] not in {item["class"] for item in m["include"]}
+    scores = fgc.score_batch(fgc.render_batch(drawn, rng), metas)
+    assert scores["geneval"].mean() > 0.95 and scores["strict"].max() == 0 and scores["extra"].mean() > 0.95
+
+
 def test_detailed_captions_name_the_colours_they_draw():
     """A detailed pretraining caption names the colour of every object whose colour it fixes; the
     toy-GenEval prompts (name_colours=False) name colours only in the colour categories."""
