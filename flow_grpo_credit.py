@@ -35,22 +35,24 @@ on the CPU; what meets the model, a reward or a collective on `policy.device`; t
 Deviations from the papers and official codes, cited as "Deviation n" where the code makes them
     1. The toy world stands in for SD3.5 + GenEval. Its default reward, toy-strict, ranks images as the strict rule
        does: GenEval's rule accepts extra objects, and GRPO learns them; a charge on extras alone drops asked ones.
-    2. KL is the exact KL of one transition, mean_d (mu - mu_ref)^2 / (2 s_k^2) with s_k = sigma_t
-       sqrt(dt_k); Flow-GRPO's code divides by sigma_t^2, so equal penalties need beta = beta_FlowGRPO * dt_k.
-    3. Advantages use the group's population std + 1e-4 in every method (Flow-GRPO's SD3.5 configs: the
-       batch std; the FastVideo-based codes: torch's unbiased std + 1e-8).
-    4. `inner_updates` AdamW steps an iteration, clip range 1e-3, flow-SDE noise level 1.0 (Flow-GRPO:
-       2 steps an epoch, 1e-4, 0.7), measured on the toy world.
+    2. KL is the exact KL of one transition, mean_d (mu - mu_ref)^2 / (2 s_k^2) with s_k = sigma_t sqrt(dt_k), as
+       TempFlow's code; Flow-GRPO's code divides by sigma_t^2, so equal penalties need beta = beta_FlowGRPO * dt_k.
+    3. Advantages use the group's population std + 1e-4 in every method, as TempFlow's and Flow-GRPO's codes (their
+       SD3.5 configs: the batch std); the FastVideo-based codes of G2RPO and GCPO: torch's unbiased std + 1e-8.
+    4. The optimiser is the toy's, LoRA r 16: lr 1e-3, `inner_updates` 8 AdamW steps an iteration, clip range 1e-3,
+       grad-norm clip 1, flow-SDE noise level 1.0, no KL. The codes: Flow-GRPO LoRA lr 3e-4, 2 steps an epoch, clip
+       1e-4, a 0.7; TempFlow the same with beta 0.004 (GenEval); G2RPO full weights lr 2e-6, one step per branch
+       point, clip 1e-4, a 0.7; GCPO full weights lr 1e-5, 2 steps an iteration, clip 5e-5, grad norm 0.01, a 0.7.
     5. Under the ddim SDE the first step (t = 1) is deterministic, carries no log-prob and is not trained.
     6. Stepwise normalises the last step's gain with the others but, as every method here, never trains it.
-    7. TempFlow and G2RPO train `branch_steps` (3) branch points drawn per iteration (TempFlow: all 9,
-       G2RPO's code: all 8), and TempFlow uses 2 seeds a prompt (paper: 4), for cost.
+    7. TempFlow trains `branch_steps` (3) branch points drawn per iteration (its code: all 9), for cost; its seed
+       groups hold `group_size` 8 children of 2 seeds a prompt (v3 and its code: 6 of 4).
     8. G2RPO's continuations reach t = 0 exactly (official code: Tweedie's x0_hat where a coarse grid stops short of 0).
-    9. Chunk-GRPO's automatic chunks are this project's heuristic: they split the relative-L1 profile's total
-       variation equally (the paper's v1 fixes [2,3,4,7] for its 16 steps from the profile's shape); every chunk is
-       trained by default (paper: 2 of 4, `--chunk-fraction 0.5`); the reward scores the final SDE state (official
-       code: x0_hat of the last step); each image has its own starting noise, as in flow_grpo (paper: one per
-       group), so that chunking is the one difference between the two.
+    9. Chunk: `--chunks auto` (default) is this project's heuristic, boundaries that split the relative-L1 profile's
+       total variation equally; `paper` scales v1's and GCPO's code's [2,3,4,7] of 16 steps (GCPO's paper chunks by
+       the profile's slope signs, in no released code). All chunks are trained (code: 2 of 4, `--chunk-fraction 0.5`;
+       weighted sampling in its CLIP/GenEval script alone); the reward scores the final state (code: x0_hat of the
+       last step); each image has its own noise, as flow_grpo (code: one a GPU, for 2 prompts x 12 images).
    10. The cps SDE keeps the full Gaussian log-density; the official code drops its constants and 1/(2s^2).
 """
 from __future__ import annotations
@@ -182,7 +184,7 @@ class Args:
     cache_dir: str = ""  # where --pretrain caches the toy model (default: $XDG_CACHE_HOME/flow_grpo_credit)
 
     # GRPO and optimisation (Deviation 4)
-    lr: float = 1e-3  # AdamW learning rate of the LoRA parameters
+    lr: float = 0.0  # AdamW learning rate of the LoRA parameters (0: the method's, 1e-3; g2rpo 3e-4)
     weight_decay: float = 1e-4  # AdamW weight decay
     max_grad_norm: float = 1.0  # global gradient-norm clip
     ema: float = 0.9  # decay of the adapter's moving average (one update an iteration), evaluated and saved; 0: off
@@ -197,13 +199,13 @@ class Args:
 
     # SDE (section 5)
     sde: str = "flow"  # SDE of the stochastic steps: flow (Flow-GRPO), ddim (Stepwise), cps (Flow-GRPO's CPS)
-    noise_level: float = 0.0  # a of the flow SDE, eta of ddim and cps (0: the SDE's default, 1.0, 1.0, 0.8)
+    noise_level: float = 0.0  # a of the flow SDE, eta of ddim and cps (0: the SDE's, 1.0, 1.0, 0.8; g2rpo 0.7)
 
     tweedie_substeps: int = 5  # stepwise: ODE sub-steps from each state to t=0 for its reward (1: plain Tweedie)
     seeds: int = 2  # tempflow: initial noises per prompt; each seed and branch point holds group_size branches
-    branch_steps: int = 3  # tempflow/g2rpo: branch points used per iteration, drawn at random (0: all)
-    granularities: str = "1,2,3"  # g2rpo: continuation granularities Lambda (every lambda-th node after the SDE step)
-    chunks: str = "auto"  # chunk: chunk sizes over the trained steps, e.g. 2,3,4 (auto: from the relative-L1 profile)
+    branch_steps: int = 3  # tempflow: branch points used per iteration, drawn at random (0: all)
+    granularities: str = "1,2"  # g2rpo: granularities Lambda, every lambda-th node after the SDE step (paper: 1,2,3)
+    chunks: str = "auto"  # chunk: sizes like 2,3,4, auto (from the relative-L1 profile) or paper (2,3,4,7 of 16 steps)
     num_chunks: int = 4  # chunk: number of chunks of the automatic segmentation
     weighted_chunks: bool = False  # chunk: draw trained chunks with probability proportional to their relative L1
     chunk_fraction: float = 1.0  # chunk: fraction of chunks trained per trajectory
@@ -933,7 +935,7 @@ def group_normalise(r: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor,
     return adv.to(r.dtype), std == 0
 
 def flow_grpo(ctx: Context):
-    """Flow-GRPO (arXiv 2505.05470; SDE Eq. 9, GRPO objective with the group-relative advantage).
+    """Flow-GRPO (arXiv 2505.05470v5, NeurIPS 2025; code yifan123/flow_grpo@ac4c86e): SDE Eq. 9, group advantage.
 
     All steps SDE from independent noises; one advantage per image, broadcast to every trained step (not the last):
         A_i = (R_i - mean_group R) / (std_group R + 1e-4)."""
@@ -945,7 +947,7 @@ def flow_grpo(ctx: Context):
     return transitions_from(traj, prompt, adv, ctx.trainable), r
 
 def stepwise(ctx: Context):
-    """Stepwise-Flow-GRPO (arXiv 2603.28718; Tweedie intermediate rewards and reward gains).
+    """Stepwise-Flow-GRPO (arXiv 2603.28718v1, CVPR 2026; no code released): Tweedie rewards and reward gains.
 
     Reward of every state, r[i, k] = R(x0_hat(x_k)) for k = 0..S (`tweedie_substeps` ODE steps to t = 0; x_S is the
     image itself), the papers' r_{T-k}; the gain of step k and its advantage over the prompt's (trajectory, step)s:
@@ -979,7 +981,8 @@ def gain_advantages(ctx: Context, r: torch.Tensor, prompt: torch.Tensor) -> torc
     return ctx.advantages(gains.flatten(), repeat(prompt, gains.shape[1])).view_as(gains)
 
 def tempflow(ctx: Context):
-    """TempFlow-GRPO (arXiv 2508.04324; trajectory branching, seed grouping, the noise-weighted objective of Eq. 7).
+    """TempFlow-GRPO (arXiv 2508.04324v3, ICLR 2026; code Shredded-Pork/TempFlow-GRPO@e66824e): trajectory
+    branching, seed groups (one group: the children of one prompt, noise and k, as its code), Eq. 7's weights.
 
     ODE path per (prompt, seed); at a bifurcation step k, G children take one SDE step from its state x_k,
     then ODE; advantage of R_k^j over the G children of (prompt, seed, k); weight w_k = std_k / mean_{trained} std.
@@ -1002,7 +1005,8 @@ def tempflow(ctx: Context):
     return Transitions.cat(parts), torch.cat(rewards)
 
 def g2rpo(ctx: Context):
-    """G2RPO (arXiv 2510.01982; singular stochastic sampling, multi-granularity advantage integration).
+    """G2RPO, "Fine-Grained GRPO for Precise Preference Alignment in Flow Models" (arXiv 2510.01982v3, CVPR 2026; code
+    bcmi/Granular-GRPO@ef6ec9f): singular stochastic sampling, multi-granularity advantage integration.
 
     Shared ODE anchor per prompt; for k in the first half of the steps, G branches take one SDE step from its
     state x_k, each finished by ODE at every granularity lambda (every lambda-th node after t_{k+1}, to t = 0):
@@ -1013,27 +1017,27 @@ def g2rpo(ctx: Context):
     prompt = torch.arange(b)
     anchor = ctx.rollout(prompt, initial_noise(ctx.policy, b, ctx.shared_gen), ctx.grid, [False] * n_steps)
     first_half = ctx.trainable & (torch.arange(n_steps) < n_steps // 2)
-    parts, rewards = [], []
-    for k in branch_points(ctx, first_half):  # Deviation 7
+    parts, rewards, lams = [], [], sorted(parse_ints(ctx.args.granularities, "--granularities"))
+    for k in torch.nonzero(first_half).flatten().tolist():  # every branch point, as its code
         child_prompt = repeat(prompt, g)  # (B*G,)
         sde = ctx.rollout(child_prompt, repeat(anchor.states[:, k], g), ctx.grid[k:k + 2], [True])
         adv = torch.zeros(b * g, device=sde.states.device)  # (B*G,) fused over granularities
-        for lam in parse_ints(ctx.args.granularities, "--granularities"):
+        for lam in lams:
             coarse = continuation_grid(ctx.grid, k + 1, lam)
             end = ctx.rollout(child_prompt, sde.states[:, -1], coarse, [False] * (len(coarse) - 1))
             r = ctx.reward(end.states[:, -1], child_prompt)
             adv += ctx.advantages(r, child_prompt)
-            rewards.append(r)
+            rewards += [r] if lam == lams[0] else []  # the finest images are logged, as other methods' final images
         parts.append(transitions_from(sde, child_prompt, adv[:, None], [True], first_step=k))
     return Transitions.cat(parts), torch.cat(rewards)
 
 def chunk(ctx: Context):
-    """Chunk-GRPO (arXiv 2510.21583 v1; chunk ratio Eq. 14, relative L1 Eq. 15, chunk weights Eq. 16).
+    """Chunk-GRPO (arXiv 2510.21583: v1 Eqs. 14-16; v2 "GCPO", ICML 2026; code xingzhejun/GCPO@ea6cc4d, v1's method).
 
-    Sampling and advantage as flow_grpo, independent noises included (the paper shares one per group: Deviation 9);
+    Sampling and advantage as flow_grpo, independent noises included (GCPO's code shares one a GPU: Deviation 9);
     consecutive trained steps form chunks of one importance ratio each; a fraction may be trained, drawn by mean
     relative L1:  ratio_j = exp( mean_{k in chunk j} (log pi_theta - log pi_old) ).
-    `--chunks auto` places the boundaries by a heuristic of this project, not the paper's (chunks_from_profile).
+    `--chunks auto` places the boundaries by a heuristic of this project; `paper` scales the papers' and code's.
     Differs from flow_grpo by: chunk ids that make the shared loss use chunk-level ratios."""
     b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
     prompt = repeat(torch.arange(b), g)  # (B*G,)
@@ -1054,11 +1058,14 @@ def chunk(ctx: Context):
     return transitions_from(traj, prompt, adv, trained, chunk=chunk_id), r
 
 CREDIT_ASSIGNMENT = {"flow_grpo": flow_grpo, "stepwise": stepwise, "tempflow": tempflow, "g2rpo": g2rpo, "chunk": chunk}
-# --iterations 0: each method's default run, ~5 minutes of the toy world on 2 CPU cores whatever its cost per iteration.
-DEFAULT_ITERATIONS = {"flow_grpo": 64, "stepwise": 32, "tempflow": 40, "g2rpo": 32, "chunk": 56}
+# What a flag left at 0 means for each method. --iterations: a run of 5 to 9 toy minutes on 2 CPU cores. G2RPO trains
+# only steps 0-4, where the clip never binds, and unlearns at lr 1e-3 and a = 1: its code's a = 0.7, a third of the lr.
+METHOD_DEFAULTS = {"flow_grpo": dict(iterations=64, lr=1e-3), "stepwise": dict(iterations=32, lr=1e-3),
+                   "tempflow": dict(iterations=40, lr=1e-3), "g2rpo": dict(iterations=32, lr=3e-4, noise_level=0.7),
+                   "chunk": dict(iterations=56, lr=1e-3)}
 
 def branch_points(ctx: Context, allowed: torch.Tensor) -> list[int]:
-    """Steps k where TempFlow/G2RPO branch: all allowed ones, or `branch_steps` of them at random."""
+    """Steps k where TempFlow branches: all allowed ones, or `branch_steps` of them at random."""
     ks = torch.nonzero(allowed).flatten()
     if 0 < ctx.args.branch_steps < len(ks):
         ks = ks[torch.randperm(len(ks), generator=ctx.shared_gen)[: ctx.args.branch_steps]].sort().values
@@ -1086,11 +1093,16 @@ def chunks_from_profile(profile: torch.Tensor, num_chunks: int) -> list[int]:
     ends = ends.clamp(0, n - k).cummax(0).values + i
     return torch.diff(ends, prepend=torch.tensor([0]), append=torch.tensor([n])).tolist()
 
+GCPO_CHUNKS = (2, 3, 4, 7)  # Chunk-GRPO's sizes of its 16 trained steps (v1 Sec. 5, Table 3; every GCPO script)
+
 def parse_chunks(text: str, n_trained: int) -> list[int] | None:
-    """'auto' -> None; else sizes that must sum to the trained steps."""
-    sizes = None if text == "auto" else parse_ints(text, "--chunks", "2,3,4")
+    """'auto' -> None; 'paper' -> GCPO_CHUNKS' boundaries scaled to n_trained steps; else sizes summing to n_trained."""
+    if text == "paper":
+        ends = [round(n_trained * end / sum(GCPO_CHUNKS)) for end in np.cumsum(GCPO_CHUNKS)]
+        return [size for size in np.diff([0, *ends]).tolist() if size > 0]  # the toy's 9 steps: [1, 2, 2, 4]
+    sizes = None if text == "auto" else parse_ints(text, "--chunks", "2,3,4 (or auto or paper)")
     if sizes and (min(sizes) < 1 or sum(sizes) != n_trained):
-        raise UsageError(f"--chunks must be 'auto' or positive sizes summing to the {n_trained} trained steps, "
+        raise UsageError(f"--chunks must be auto, paper or positive sizes summing to the {n_trained} trained steps, "
                          f"got {text!r}")
     return sizes
 
@@ -1228,10 +1240,10 @@ def resolve_device(name: str) -> torch.device:
 CHOICES = {"method": CREDIT_ASSIGNMENT, "sde": SDE_LEVELS, "dtype": ("auto", "fp32", "bf16"),
            "device": ("auto", "cpu", "cuda")}
 RULES = {  # what a valid value of each flag is, and how to tell
-    ">= 0 (0: the method's default)": (["iterations"], lambda v: v >= 0),
+    ">= 0 (0: the method's default)": (["iterations", "lr"], lambda v: v >= 0),
     ">= 2": (["group_size"], lambda v: v >= 2),
     ">= 3": (["steps"], lambda v: v >= 3),
-    "> 0": (["lr", "clip_range", "max_grad_norm", "resolution"], lambda v: v > 0),
+    "> 0": (["clip_range", "max_grad_norm", "resolution"], lambda v: v > 0),
     ">= 0": (["micro_batch", "noise_level", "extra_penalty", "beta", "lora_rank", "lora_alpha", "branch_steps",
               "benchmark", "spread"], lambda v: v >= 0),
     ">= 1": (["prompts_per_iter", "eval_steps", "eval_every", "eval_per_tag", "inner_updates", "tweedie_substeps",
@@ -1270,9 +1282,9 @@ def validate(args: Args) -> Args:
     return resolved(args)
 
 def resolved(args: Args) -> Args:
-    """`args` with the defaults that depend on other flags filled in: the method's iterations, real micro-batches."""
-    return dataclasses.replace(args, iterations=args.iterations or DEFAULT_ITERATIONS.get(args.method, 0),
-                               micro_batch=args.micro_batch or (0 if args.model == "toy" else 4))
+    """`args` with the defaults that depend on other flags filled in: the method's (METHOD_DEFAULTS), micro-batches."""
+    method = {k: v for k, v in METHOD_DEFAULTS.get(args.method, {}).items() if not getattr(args, k)}
+    return dataclasses.replace(args, **method, micro_batch=args.micro_batch or (0 if args.model == "toy" else 4))
 
 def prompt_sets(args: Args) -> tuple[list[dict] | None, list[dict]]:
     """(training, held-out) prompts: the toy generator (None) and toy-GenEval's, or --prompts, every 10th held out."""

@@ -491,6 +491,35 @@ def test_g2rpo_branches_share_the_ode_anchor_and_single_granularity_is_singular_
         torch.testing.assert_close(fgc.continuation_grid(ctx.grid, k + 1, 1), ctx.grid[k + 1:])
 
 
+def test_g2rpo_sums_one_group_z_score_per_granularity_and_logs_the_finest_images_reward():
+    """Multi-granularity advantage integration: with the same draws, the fused advantage of Lambda = {2, 1} is the
+    advantage of {1} plus that of {2}, each a unit-variance z-score of its group (so the logged adv_abs/k is up to
+    |Lambda| times another method's); the rewards logged are those of the finest (lambda = 1) images alone."""
+    def run(granularities):  # a reward whose spread dwarfs the normaliser's 1e-4
+        ctx = ctx_for({"method": "g2rpo", "granularities": granularities, "branch_steps": 0},
+                      reward=lambda images, metas: 1e3 * images.mean((1, 2, 3)))
+        return fgc.g2rpo(ctx)
+
+    (fine, fine_r), (coarse, coarse_r), (fused, fused_r) = run("1"), run("2"), run("2,1")
+    torch.testing.assert_close(fused.advantage, fine.advantage + coarse.advantage)
+    torch.testing.assert_close(fused_r, fine_r)
+    assert not torch.allclose(coarse_r, fine_r)  # the coarse continuation ends in another image
+    for tr in (fine, coarse):  # per (prompt, k): a z-score of population std 1 over the group's 4 branches
+        blocks = tr.advantage.view(-1, 4).double()
+        torch.testing.assert_close(blocks.pow(2).mean(1), torch.ones(len(blocks), dtype=torch.double), atol=1e-3,
+                                   rtol=0)
+
+
+def test_paper_chunks_scale_the_papers_2_3_4_7_of_16_steps_to_the_trained_steps():
+    assert fgc.parse_chunks("paper", 16) == [2, 3, 4, 7]  # Chunk-GRPO's and GCPO's 16 trained steps
+    assert fgc.parse_chunks("paper", 9) == [1, 2, 2, 4]  # the toy's 9: boundaries round(9 * {2, 5, 9, 16} / 16)
+    for n in range(1, 33):
+        sizes = fgc.parse_chunks("paper", n)
+        assert sum(sizes) == n and min(sizes) >= 1 and sizes == sorted(sizes) and len(sizes) <= 4
+    with pytest.raises(fgc.UsageError, match=r"2,3,4 \(or auto or paper\), got .papers."):
+        fgc.parse_chunks("papers", 9)
+
+
 @pytest.mark.parametrize("k,lam", [(k, lam) for k in range(8) for lam in (1, 2, 3)])
 def test_g2rpo_continuations_end_at_zero_and_keep_the_first_base_step(k, lam):
     grid = fgc.time_grid(16, shift=3.0)
@@ -913,11 +942,16 @@ def test_moving_average_warms_up_as_flow_grpo_and_ema_applied_restores_the_live_
     torch.testing.assert_close(off.shadow_params[0], values[2])
 
 
-def test_every_method_has_a_default_run_length():
-    """--iterations 0 (the default) picks the method's ~10-minute run length; a method without one would
-    fail only when a user runs it."""
-    assert fgc.Args().iterations == 0 and fgc.DEFAULT_ITERATIONS.keys() == fgc.CREDIT_ASSIGNMENT.keys()
-    assert all(n >= 1 for n in fgc.DEFAULT_ITERATIONS.values())
+def test_every_method_has_a_default_run_length_and_lr_and_a_flag_given_keeps_its_value():
+    """--iterations 0 and --lr 0 (the defaults) pick the method's run length and lr (a method without them would
+    fail only when a user runs it); G2RPO's noise level is its code's 0.7; a value given is never replaced."""
+    assert fgc.Args().iterations == 0 == fgc.Args().lr and fgc.METHOD_DEFAULTS.keys() == fgc.CREDIT_ASSIGNMENT.keys()
+    for method in fgc.CREDIT_ASSIGNMENT:
+        args = fgc.validate(fgc.Args(method=method))
+        assert args.iterations >= 1 and args.lr > 0 and args.lr == fgc.METHOD_DEFAULTS[method]["lr"]
+        assert args.sde_level == (0.7 if method == "g2rpo" else 1.0)
+    given = fgc.validate(fgc.Args(method="g2rpo", lr=1e-3, noise_level=1.0, iterations=3))
+    assert (given.lr, given.sde_level, given.iterations) == (1e-3, 1.0, 3)
 
 
 def test_parse_args_reads_every_flag_and_parse_ints_names_the_flag():
