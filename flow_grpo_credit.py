@@ -35,14 +35,14 @@ on the CPU; what meets the model, a reward or a collective on `policy.device`; t
 Deviations from the papers and official codes, cited as "Deviation n" where the code makes them
     1. The toy world stands in for SD3.5 + GenEval. Its default reward, toy-strict, ranks images as the strict rule
        does: GenEval's rule accepts extra objects, and GRPO learns them; a charge on extras alone drops asked ones.
-    2. KL is the exact KL of one transition, mean_d (mu - mu_ref)^2 / (2 s_k^2) with s_k = sigma_t sqrt(dt_k), as
-       TempFlow's code; Flow-GRPO's code divides by sigma_t^2, so equal penalties need beta = beta_FlowGRPO * dt_k.
-    3. Advantages use the group's population std + 1e-4 in every method, as TempFlow's and Flow-GRPO's codes (their
-       SD3.5 configs: the batch std); the FastVideo-based codes of G2RPO and GCPO: torch's unbiased std + 1e-8.
-    4. The optimiser is the toy's, LoRA r 16: lr 1e-3, `inner_updates` 8 AdamW steps an iteration, clip range 1e-3,
-       grad-norm clip 1, flow-SDE noise level 1.0, no KL. The codes: Flow-GRPO LoRA lr 3e-4, 2 steps an epoch, clip
-       1e-4, a 0.7; TempFlow the same with beta 0.004 (GenEval); G2RPO full weights lr 2e-6, one step per branch
-       point, clip 1e-4, a 0.7; GCPO full weights lr 1e-5, 2 steps an iteration, clip 5e-5, grad norm 0.01, a 0.7.
+    2. KL is the exact KL of one transition, mean_d (mu - mu_ref)^2 / (2 s_k^2), s_k = sigma_t sqrt(dt_k), as TempFlow's
+       code; Flow-GRPO's code divides by sigma_t^2, so equal penalties need beta = beta_FlowGRPO * dt_k.
+    3. Advantages use the group's population std + 1e-4, as TempFlow's code (Flow-GRPO's SD3.5 configs: the batch's;
+       the FastVideo-based codes of G2RPO and GCPO: torch's unbiased std + 1e-8).
+    4. The toy's optimiser, LoRA r 16: lr 1e-3 (G2RPO 3e-4), 8 AdamW steps an iteration, clip 1e-3, grad norm 1, noise
+       level 1.0 (G2RPO 0.7), no KL. The codes, a = 0.7: Flow-GRPO LoRA lr 3e-4, 2 steps an epoch, clip 1e-4; TempFlow
+       likewise, beta 0.004; G2RPO full weights, lr 2e-6, a step per branch point, clip 1e-4; GCPO full weights, lr
+       1e-5, 2 steps an iteration, clip 5e-5, grad norm 0.01.
     5. Under the ddim SDE the first step (t = 1) is deterministic, carries no log-prob and is not trained.
     6. Stepwise normalises the last step's gain with the others but, as every method here, never trains it.
     7. TempFlow trains `branch_steps` (3) branch points drawn per iteration (its code: all 9), for cost; its seed
@@ -992,8 +992,11 @@ def tempflow(ctx: Context):
     ode_path = ctx.rollout(prompt, initial_noise(ctx.policy, b * seeds, ctx.shared_gen), ctx.grid, [False] * n_steps)
     stds = step_stds(ctx.grid, ctx.args)
     weight = stds / stds[ctx.trainable].mean()  # (S,) Norm(sigma_t sqrt(dt)) to mean 1 over trained steps
+    ks = torch.nonzero(ctx.trainable).flatten()  # the branch points: `branch_steps` of them at random (Deviation 7)
+    if 0 < ctx.args.branch_steps < len(ks):
+        ks = ks[torch.randperm(len(ks), generator=ctx.shared_gen)[: ctx.args.branch_steps]].sort().values
     parts, rewards = [], []
-    for k in branch_points(ctx, ctx.trainable):  # Deviation 7
+    for k in ks.tolist():
         child_prompt = repeat(prompt, g)  # (B*seeds*G,)
         sde_once = [True] + [False] * (n_steps - k - 1)  # one SDE step at k, then the ODE
         branch = ctx.rollout(child_prompt, repeat(ode_path.states[:, k], g), ctx.grid[k:], sde_once)
@@ -1063,13 +1066,6 @@ CREDIT_ASSIGNMENT = {"flow_grpo": flow_grpo, "stepwise": stepwise, "tempflow": t
 METHOD_DEFAULTS = {"flow_grpo": dict(iterations=64, lr=1e-3), "stepwise": dict(iterations=32, lr=1e-3),
                    "tempflow": dict(iterations=40, lr=1e-3), "g2rpo": dict(iterations=32, lr=3e-4, noise_level=0.7),
                    "chunk": dict(iterations=56, lr=1e-3)}
-
-def branch_points(ctx: Context, allowed: torch.Tensor) -> list[int]:
-    """Steps k where TempFlow branches: all allowed ones, or `branch_steps` of them at random."""
-    ks = torch.nonzero(allowed).flatten()
-    if 0 < ctx.args.branch_steps < len(ks):
-        ks = ks[torch.randperm(len(ks), generator=ctx.shared_gen)[: ctx.args.branch_steps]].sort().values
-    return ks.tolist()
 
 def continuation_grid(grid: torch.Tensor, start: int, lam: int) -> torch.Tensor:
     """G2RPO's grid of granularity lambda: t_start, t_{start+1}, then every lambda-th node, to t = 0 (Deviation 8)."""
