@@ -37,22 +37,18 @@ Deviations from the papers and official codes, cited as "Deviation n" where the 
        does: GenEval's rule accepts extra objects, and GRPO learns them; a charge on extras alone drops asked ones.
     2. KL is the exact KL of one transition, mean_d (mu - mu_ref)^2 / (2 s_k^2), s_k = sigma_t sqrt(dt_k), as TempFlow's
        code; Flow-GRPO's code divides by sigma_t^2, so equal penalties need beta = beta_FlowGRPO * dt_k.
-    3. Advantages use the group's population std + 1e-4, as TempFlow's code (Flow-GRPO's SD3.5 configs: the batch's;
-       the FastVideo-based codes of G2RPO and GCPO: torch's unbiased std + 1e-8).
-    4. The toy's optimiser, LoRA r 16: lr 1e-3 (G2RPO 3e-4), 8 AdamW steps an iteration, clip 1e-3, grad norm 1, noise
-       level 1.0 (G2RPO 0.7), no KL. The codes, a = 0.7: Flow-GRPO LoRA lr 3e-4, 2 steps an epoch, clip 1e-4; TempFlow
-       likewise, beta 0.004; G2RPO full weights, lr 2e-6, a step per branch point, clip 1e-4; GCPO full weights, lr
-       1e-5, 2 steps an iteration, clip 5e-5, grad norm 0.01.
+    3. Advantages: the group's population std + 1e-4, as TempFlow's code (Flow-GRPO: the batch's; G2RPO, GCPO: n - 1).
+    4. The toy's optimiser, LoRA r 16: lr 1e-3 (G2RPO 3e-4), 8 AdamW steps an iteration, clip 1e-3, grad norm 1, a 1.0
+       (G2RPO 0.7), no KL. The codes, at a 0.7: Flow-GRPO LoRA, lr 3e-4, 2 steps an epoch, clip 1e-4; TempFlow so, beta
+       0.004; G2RPO full weights, lr 2e-6, a step per branch point, clip 1e-4; GCPO full, lr 1e-5, clip 5e-5, norm 0.01.
     5. Under the ddim SDE the first step (t = 1) is deterministic, carries no log-prob and is not trained.
     6. Stepwise normalises the last step's gain with the others but, as every method here, never trains it.
-    7. TempFlow trains `branch_steps` (3) branch points drawn per iteration (its code: all 9), for cost; its seed
-       groups hold `group_size` 8 children of 2 seeds a prompt (v3 and its code: 6 of 4).
+    7. TempFlow trains `branch_steps` (3) random branch points (code: all 9), 8 children of 2 seeds (v3: 6 of 4).
     8. G2RPO's continuations reach t = 0 exactly (official code: Tweedie's x0_hat where a coarse grid stops short of 0).
-    9. Chunk: `--chunks auto` (default) is this project's heuristic, boundaries that split the relative-L1 profile's
-       total variation equally; `paper` scales v1's and GCPO's code's [2,3,4,7] of 16 steps (GCPO's paper chunks by
-       the profile's slope signs, in no released code). All chunks are trained (code: 2 of 4, `--chunk-fraction 0.5`;
-       weighted sampling in its CLIP/GenEval script alone); the reward scores the final state (code: x0_hat of the
-       last step); each image has its own noise, as flow_grpo (code: one a GPU, for 2 prompts x 12 images).
+    9. Chunk's `--chunks auto` (default) is this project's heuristic: boundaries split the relative-L1 profile's total
+       variation equally; `paper` scales v1's and GCPO code's [2,3,4,7] of 16 steps (GCPO's paper: the profile's slope
+       signs, in no released code). All chunks train (code: 2 of 4, `--chunk-fraction 0.5`); the reward scores the
+       final state (code: x0_hat of the last step); each image has its own noise (code: one a GPU, 2 prompts x 12).
    10. The cps SDE keeps the full Gaussian log-density; the official code drops its constants and 1/(2s^2).
 """
 from __future__ import annotations
@@ -769,10 +765,9 @@ def step_stds(grid: torch.Tensor, args: Args) -> torch.Tensor:
     return sde_step(z, z, grid[:-1], grid[1:], kind=args.sde, noise_level=args.sde_level, noise=z)[3]
 
 def trainable_steps(grid: torch.Tensor, args: Args) -> torch.Tensor:
-    """(S,) bool: stochastic under the SDE (std > 0) and not the last step, as Flow-GRPO trains 0..S-2. The last
-    step's std is tiny (flow SDE: 0.009 on the toy's grid; ddim, cps: 0), so its log-density is dominated by
-    -log std and its score, noise / std, by 1 / std: it would outweigh every other step and swing the ratio past
-    any clip while moving the image by less than a pixel's rounding."""
+    """(S,) bool: stochastic under the SDE (std > 0) and not the last step, as Flow-GRPO trains 0..S-2. The last step's
+    std is tiny (flow SDE: 0.009 on the toy's grid; ddim, cps: 0), so -log std rules its log-density and 1 / std its
+    score: it would outweigh every step and swing the ratio past any clip, moving the image by less than a pixel."""
     n_steps = len(grid) - 1
     return (step_stds(grid, args) > 0) & (torch.arange(n_steps) < n_steps - 1)
 
@@ -1011,7 +1006,7 @@ def g2rpo(ctx: Context):
     """G2RPO, "Fine-Grained GRPO for Precise Preference Alignment in Flow Models" (arXiv 2510.01982v3, CVPR 2026; code
     bcmi/Granular-GRPO@ef6ec9f): singular stochastic sampling, multi-granularity advantage integration.
 
-    Shared ODE anchor per prompt; for k in the first half of the steps, G branches take one SDE step from its
+    Shared ODE anchor per prompt; at every k of the first half of the steps, G branches take one SDE step from its
     state x_k, each finished by ODE at every granularity lambda (every lambda-th node after t_{k+1}, to t = 0):
         A_k^i = sum_lambda (R_k^{i,lambda} - mean_i) / std_i.
     Differs from flow_grpo by: an ODE anchor shared by the group; one SDE step per rollout, at k in the first half;
@@ -1061,8 +1056,7 @@ def chunk(ctx: Context):
     return transitions_from(traj, prompt, adv, trained, chunk=chunk_id), r
 
 CREDIT_ASSIGNMENT = {"flow_grpo": flow_grpo, "stepwise": stepwise, "tempflow": tempflow, "g2rpo": g2rpo, "chunk": chunk}
-# What a flag left at 0 means for each method. --iterations: a run of 5 to 9 toy minutes on 2 CPU cores. G2RPO trains
-# only steps 0-4, where the clip never binds, and unlearns at lr 1e-3 and a = 1: its code's a = 0.7, a third of the lr.
+# What a flag left at 0 means for each method (--iterations: 5 to 9 toy minutes on 2 CPU cores; G2RPO: Deviation 4).
 METHOD_DEFAULTS = {"flow_grpo": dict(iterations=64, lr=1e-3), "stepwise": dict(iterations=32, lr=1e-3),
                    "tempflow": dict(iterations=40, lr=1e-3), "g2rpo": dict(iterations=32, lr=3e-4, noise_level=0.7),
                    "chunk": dict(iterations=56, lr=1e-3)}
@@ -1089,13 +1083,11 @@ def chunks_from_profile(profile: torch.Tensor, num_chunks: int) -> list[int]:
     ends = ends.clamp(0, n - k).cummax(0).values + i
     return torch.diff(ends, prepend=torch.tensor([0]), append=torch.tensor([n])).tolist()
 
-GCPO_CHUNKS = (2, 3, 4, 7)  # Chunk-GRPO's sizes of its 16 trained steps (v1 Sec. 5, Table 3; every GCPO script)
-
 def parse_chunks(text: str, n_trained: int) -> list[int] | None:
-    """'auto' -> None; 'paper' -> GCPO_CHUNKS' boundaries scaled to n_trained steps; else sizes summing to n_trained."""
-    if text == "paper":
-        ends = [round(n_trained * end / sum(GCPO_CHUNKS)) for end in np.cumsum(GCPO_CHUNKS)]
-        return [size for size in np.diff([0, *ends]).tolist() if size > 0]  # the toy's 9 steps: [1, 2, 2, 4]
+    """'auto' -> None; 'paper' -> the papers' chunks scaled to n_trained steps; else sizes summing to n_trained."""
+    if text == "paper":  # Chunk-GRPO's [2, 3, 4, 7] of 16 trained steps (v1 Sec. 5, Table 3; every GCPO script)
+        ends = [round(n_trained * end / 16) for end in (2, 5, 9, 16)]  # the toy's 9 steps: [1, 2, 2, 4]
+        return [size for size in np.diff([0, *ends]).tolist() if size > 0]
     sizes = None if text == "auto" else parse_ints(text, "--chunks", "2,3,4 (or auto or paper)")
     if sizes and (min(sizes) < 1 or sum(sizes) != n_trained):
         raise UsageError(f"--chunks must be auto, paper or positive sizes summing to the {n_trained} trained steps, "

@@ -494,13 +494,15 @@ def test_g2rpo_branches_share_the_ode_anchor_and_single_granularity_is_singular_
 def test_g2rpo_sums_one_group_z_score_per_granularity_and_logs_the_finest_images_reward():
     """Multi-granularity advantage integration: with the same draws, the fused advantage of Lambda = {2, 1} is the
     advantage of {1} plus that of {2}, each a unit-variance z-score of its group (so the logged adv_abs/k is up to
-    |Lambda| times another method's); the rewards logged are those of the finest (lambda = 1) images alone."""
+    |Lambda| times another method's); the rewards logged are those of the finest (lambda = 1) images alone; every
+    step of the first half branches, as in G2RPO's code, whatever TempFlow's `branch_steps`."""
     def run(granularities):  # a reward whose spread dwarfs the normaliser's 1e-4
-        ctx = ctx_for({"method": "g2rpo", "granularities": granularities, "branch_steps": 0},
+        ctx = ctx_for({"method": "g2rpo", "granularities": granularities, "branch_steps": 1},
                       reward=lambda images, metas: 1e3 * images.mean((1, 2, 3)))
         return fgc.g2rpo(ctx)
 
     (fine, fine_r), (coarse, coarse_r), (fused, fused_r) = run("1"), run("2"), run("2,1")
+    assert torch.unique(fused.step).tolist() == [0, 1, 2]  # the first half of the 6 steps
     torch.testing.assert_close(fused.advantage, fine.advantage + coarse.advantage)
     torch.testing.assert_close(fused_r, fine_r)
     assert not torch.allclose(coarse_r, fine_r)  # the coarse continuation ends in another image
