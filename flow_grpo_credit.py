@@ -59,6 +59,7 @@ import dataclasses
 import datetime
 import fcntl
 import hashlib
+import io
 import json
 import math
 import os
@@ -94,8 +95,12 @@ def generator(*parts) -> torch.Generator:
     return torch.Generator().manual_seed(stable_seed(*parts))
 
 def parse_ints(text: str, flag: str, example: str = "1,2,3") -> list[int]:
+    """'0-2,5' -> [0, 1, 2, 5]: integers and inclusive ranges, comma-separated."""
     try:
-        return [int(p) for p in text.split(",")]
+        bounds = [[int(b) for b in part.split("-")] for part in text.split(",")]
+        if any(len(b) > 2 or b[0] > b[-1] for b in bounds):
+            raise ValueError
+        return [i for b in bounds for i in range(b[0], b[-1] + 1)]
     except ValueError:
         raise UsageError(f"{flag} must be integers like {example}, got {text!r}") from None
 
@@ -171,8 +176,9 @@ class Args:
     group_size: int = 8  # images (or branches) that share one advantage normalisation
     steps: int = 10  # sampling steps during training (Flow-GRPO's denoising reduction: fewer than eval)
     eval_steps: int = 10  # ODE steps of the deterministic evaluation
-    eval_every: int = 32  # evaluate every N iterations (and at the start and end)
+    eval_every: int = 8  # evaluate every N iterations (and at the start and end)
     eval_per_tag: int = 256  # held-out evaluation prompts (each with its own noise) per GenEval category
+    curve_per_tag: int = 32  # of these, those evaluated between the start and the end (the curves' points)
     out: str = "runs"  # folder that receives one sub-folder per run
     seed: int = 0  # seed of the whole run (prompts, noise, LoRA init)
     device: str = "auto"  # auto, cpu or cuda
@@ -214,7 +220,8 @@ class Args:
 
     checkpoint_every: int = 10  # write checkpoint.pt every N iterations (and at the end); --resume RUN_DIR continues
     max_nonfinite: int = 3  # stop after this many iterations in a row with non-finite rewards, advantages or loss
-    compare_seeds: str = "0"  # with --method all (or a list a,b): the seeds every method runs with, e.g. 0,1,2
+    compare_seeds: str = "0"  # with --method all (or a list a,b,g2rpo:granularities=1): the seeds, e.g. 0-11
+    workers: int = 0  # comparison: processes of one thread sharing its runs (0: one per CPU core, 1 on CUDA)
     benchmark: int = 0  # time N iterations (after a warm-up one): seconds per phase, images per second, memory
     spread: int = 0  # where the image is decided: N prompts a category, G children branching at each step (plot)
 
@@ -1233,8 +1240,9 @@ RULES = {  # what a valid value of each flag is, and how to tell
     ">= 3": (["steps"], lambda v: v >= 3),
     "> 0": (["clip_range", "max_grad_norm", "resolution"], lambda v: v > 0),
     ">= 0": (["micro_batch", "noise_level", "extra_penalty", "beta", "lora_rank", "lora_alpha", "branch_steps",
-              "benchmark", "spread"], lambda v: v >= 0),
-    ">= 1": (["prompts_per_iter", "eval_steps", "eval_every", "eval_per_tag", "inner_updates", "tweedie_substeps",
+              "benchmark", "spread", "workers"], lambda v: v >= 0),
+    ">= 1": (["prompts_per_iter", "eval_steps", "eval_every", "eval_per_tag", "curve_per_tag", "inner_updates",
+              "tweedie_substeps",
               "seeds", "num_chunks", "pretrain_steps", "checkpoint_every", "max_nonfinite"], lambda v: v >= 1),
     "0 or >= 1": (["guidance"], lambda v: v == 0 or v >= 1),
     "in [0, 1)": (["ema"], lambda v: 0 <= v < 1),
@@ -1325,19 +1333,21 @@ def iteration_context(args: Args, parts: Setup, it: int, meter: Meter, dist: Dis
     return Context(parts.policy, args, meter, gen, metas, parts.policy.encode([m["prompt"] for m in metas]), parts.grid,
                    parts.reward_fn, parts.chunk_sizes, dist, shared)
 
-def train(args: Args, resume: str | None = None) -> list[dict]:
+def train(args: Args, resume: str | None = None, run: Path | None = None, base_eval: Path | None = None) -> list[dict]:
     """GRPO with the chosen credit assignment -> the metric records (also in metrics.jsonl). `resume`, a run
-    folder, continues from its checkpoint. Under torchrun DDP averages gradients, rank 0 evaluates and writes."""
+    folder, continues from its checkpoint; `run` names a new one; `base_eval` holds the base's evaluation
+    (`evaluate`'s output: the LoRA starts at zero). Under torchrun DDP averages gradients, rank 0 evaluates and writes."""
     from diffusers.training_utils import EMAModel
     args = validate(args)
     dist = Dist.setup(resolve_device(args.device))
     if args.group_size % dist.world:
         raise UsageError(f"--group-size {args.group_size} must be a multiple of the {dist.world} ranks")
     writer, parts = dist.rank == 0, setup(args, dist)
-    run = Path(resume or Path(args.out) / f"{args.method}-seed{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+    named, run = bool(resume or run), Path(resume or run or Path(args.out) / f"{args.method}-seed{args.seed}-"
+                                           f"{time.strftime('%Y%m%d-%H%M%S')}")
     if writer:  # made after loading: a model that fails to load leaves no empty folder
         try:
-            run.mkdir(parents=True, exist_ok=bool(resume))
+            run.mkdir(parents=True, exist_ok=named)
         except OSError as e:
             raise UsageError(f"--out {args.out!r}: cannot create the run folder {run} ({e.strerror or e})") from None
         lock = (run / ".lock").open("w")  # one writer per run folder: the lock is the process's until it exits
@@ -1363,11 +1373,18 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
     def run_eval(iteration: int) -> None:
         nfe = int(dist.reduce(meter.nfe))
         if writer:  # the other ranks go on and wait for rank 0 in the next collective
-            with ema_applied(ema, parts.params):
-                metrics, images, metas, scores = evaluate(parts.policy, args, parts.reward_fn, parts.eval_metas)
+            every = 1 if iteration in (0, args.iterations) else max(1, args.eval_per_tag // args.curve_per_tag)
+            if iteration == 0 and base_eval:
+                metrics, images, metas, scores = torch.load(base_eval, weights_only=True)
+            else:
+                with ema_applied(ema, parts.params):
+                    metrics, images, metas, scores = evaluate(parts.policy, args, parts.reward_fn, parts.eval_metas,
+                                                              every)
             state["base_scores"] = state.get("base_scores") or scores  # the gains are paired with the first evaluation
-            gains = paired_gains(scores, state["base_scores"], [m.get("tag", "prompt") for m in metas])
-            record({"iteration": iteration, **metrics, **gains, "nfe": nfe, "wall_s": round(wall, 2)})
+            base = {k: v[::every] for k, v in state["base_scores"].items()}  # the same pairs as this evaluation's
+            gains = paired_gains(scores, base, [m.get("tag", "prompt") for m in metas])
+            record({"iteration": iteration, **metrics, **gains, "nfe": nfe, "wall_s": round(wall, 2),
+                    "eval_pairs": len(metas)})
             torch.save(scores, run / f"scores_{iteration:04d}.pt")  # per image: comparisons pair runs with them
             save_grid(images, metas, scores, run / f"samples_{iteration:04d}.png",
                       f"{args.method} iteration {iteration}: held-out score {metrics['eval_overall']:.3f}")
@@ -1457,11 +1474,13 @@ def load_checkpoint(run: Path, policy, opt, ema) -> dict:
 # 10 Eval, comparison, benchmark, plots
 
 @torch.no_grad()
-def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None):
-    """Deterministic (fixed prompts and noise, `eval_steps` ODE steps) -> (metrics, images, metas, per-image scores:
-    the reward and, on toy, score_batch's). eval_overall: toy-GenEval (mean category accuracy) or reward, ± eval_se."""
+def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None, every: int = 1):
+    """Deterministic (fixed prompts and noise, `eval_steps` ODE steps; every `every`-th pair) -> (metrics, images,
+    metas, per-image scores: the reward and, on toy, score_batch's). eval_overall: toy-GenEval (mean category
+    accuracy) or reward, ± eval_se."""
     metas = metas or eval_prompts(args.eval_per_tag)
-    grid, noise = policy.time_grid(args.eval_steps), initial_noise(policy, len(metas), generator("eval-noise"))
+    noise = initial_noise(policy, len(metas), generator("eval-noise"))[::every]  # (N / every, C, H, W)
+    grid, metas = policy.time_grid(args.eval_steps), metas[::every]
     images, rewards, reward_fn = [], [], reward_fn or build_reward(args, policy.device)
     cond = policy.encode([m["prompt"] for m in metas], device="cpu")  # the text encoders' one use, kept on the CPU
     for part in torch.arange(len(metas)).split(args.micro_batch or len(metas)):
@@ -1546,94 +1565,105 @@ def plot_curves(history: list[dict], path: Path, label: str) -> None:
                 ("iteration", "mean |advantage| of the step", credit),
                 ("iteration", "groups of equal rewards (zero_std_frac)", flat)], path)
 
-def compare(args: Args, folder: str | None = None) -> Path:
-    """`--method all` (or a list a,b, or several --compare-seeds): every method with the same seeds, one run after
-    another -> comparison.md and .png. `--resume` continues every run."""
-    seeds = parse_ints(args.compare_seeds, "--compare-seeds")
-    methods = list(CREDIT_ASSIGNMENT) if args.method == "all" else args.method.split(",")
-    folder = Path(folder) if folder else Path(args.out) / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
-    runs = [validate(dataclasses.replace(args, method=m, seed=seed, compare_seeds=str(seed), out=str(folder)))
-            for m in methods for seed in seeds]  # all validated before the first starts; each args.json says one run
-    started = [sorted(folder.glob(f"{a.method}-seed{a.seed}-*/checkpoint.pt")) for a in runs]
-    resumes = [str(found[-1].parent) if found else None for found in started]  # what --resume continues
+def comparison_runs(args: Args) -> list[tuple[str, Args]]:
+    """(label, args) of every run of a comparison, seed by seed: each method of --method (all: the five; a method may
+    change flags after a colon, g2rpo:granularities=1,...) with each of --compare-seeds."""
+    labels = [m for item in args.method.split(",") for m in (CREDIT_ASSIGNMENT if item == "all" else [item])]
+    runs = []
+    for seed in parse_ints(args.compare_seeds, "--compare-seeds", "0-11"):
+        for label in labels:
+            method, *changes = label.split(":")
+            try:
+                flags = {k: type(getattr(Args, k))(v) for k, v in (change.split("=") for change in changes)}
+            except (AttributeError, ValueError):
+                raise UsageError(f"--method {label}: flags after a method are name=value, like g2rpo:granularities=1")
+            runs.append((label, validate(dataclasses.replace(args, **flags, method=method, seed=seed,
+                                                             compare_seeds=str(seed), workers=1))))
+    return runs
+
+def finished(run: Path, iterations: int) -> bool:
+    metrics = run / "metrics.jsonl"
+    return (run / "lora").is_dir() and json.loads(metrics.read_text().splitlines()[-1])["iteration"] == iterations
+
+def compare(args: Args) -> Path:
+    """`--method all` (or a list a,b) with --compare-seeds: each run in --out/comparison/{label}-seed{seed}, seed by
+    seed, shared by `workers` processes; the base is evaluated once. The same command again continues: finished
+    runs are kept, started ones resume. Then the report of every finished run there (`report`)."""
+    runs, folder, start = comparison_runs(args), Path(args.out) / "comparison", time.time()
+    device, base = resolve_device(args.device), Path(args.out) / "comparison" / "base_eval.pt"
+    workers = min(args.workers or (1 if device.type == "cuda" else len(os.sched_getaffinity(0))), len(runs))
+    if workers > 1:  # measured on 2 CPU cores: two processes of one thread outrun one of two threads
+        torch.set_num_threads(1)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-    evals = {m: [] for m in methods}  # each method's runs (a seed each), each its evaluations with per-image scores
-    for a, resume in zip(runs, resumes):
-        history, run = train(a, resume), sorted(folder.glob(f"{a.method}-seed{a.seed}-*/metrics.jsonl"))[-1].parent
-        evals[a.method].append([h | {"scores": torch.load(run / f"scores_{h['iteration']:04d}.pt", weights_only=True)}
-                                for h in history if "eval_overall" in h])
-    tags = [m.get("tag", "prompt") for m in prompt_sets(args)[1]]
-    (folder / "comparison.md").write_text(comparison_table(evals, seeds, args, tags))
-    plot_comparison(evals, folder / "comparison.png")
-    print((folder / "comparison.md").read_text())
+    if not base.exists():  # the LoRA starts at zero: every run's first evaluation is the base's
+        seconds = time.time()
+        torch.save(evaluate(load_policy(runs[0][1], device), runs[0][1], None, prompt_sets(runs[0][1])[1]),
+                   folder / "base_eval.tmp")
+        os.replace(folder / "base_eval.tmp", base)
+        append_json(folder / "timings.jsonl", {"base_eval_s": time.time() - seconds})
+    spawn = torch.multiprocessing.get_context("spawn")
+    others = [spawn.Process(target=run_all, args=(runs, folder, workers, start)) for _ in range(workers - 1)]
+    for process in others:
+        process.start()
+    print(f"comparison: {len(runs)} runs in {folder}, {workers} process(es); projected "
+          f"{projected_seconds(runs, folder, workers, measure=True) / 3600:.1f} h")
+    run_all(runs, folder, workers, start)
+    for process in others:
+        process.join()
+    if any(process.exitcode for process in others):
+        raise RunError(f"a worker of the comparison failed (see above); run the same command again to continue")
+    return report(folder)
+
+def run_all(runs: list, folder: Path, workers: int, start: float) -> None:
+    """One worker of a comparison: in order, every run that has not finished and that no other worker holds."""
+    if workers > 1:
+        torch.set_num_threads(1)
+    for label, a in runs:
+        run = folder / f"{label.replace(':', '+')}-seed{a.seed}"
+        with (folder / f".{run.name}.claim").open("w") as claim:
+            try:
+                fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # another worker's
+            if finished(run, a.iterations):
+                continue
+            seconds = time.time()
+            train(a, str(run) if (run / "checkpoint.pt").exists() else None, run, folder / "base_eval.pt")
+            append_json(folder / "timings.jsonl", {"run": run.name, "start": seconds, "seconds": time.time() - seconds})
+        done = sum(finished(folder / f"{lb.replace(':', '+')}-seed{b.seed}", b.iterations) for lb, b in runs)
+        print(f"comparison: {done} of {len(runs)} runs done, {(time.time() - start) / 3600:.1f} h elapsed, "
+              f"{projected_seconds(runs, folder, workers) / 3600:.1f} h remaining")
+
+def append_json(path: Path, record: dict) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+def projected_seconds(runs: list, folder: Path, workers: int, measure: bool = False) -> float:
+    """Time left for the unfinished runs: each label's measured seconds a run, or, before its first run ends, one
+    timed iteration (`benchmark`, if `measure`) times its iterations plus the evaluations at the base's speed."""
+    records = [json.loads(line) for line in (folder / "timings.jsonl").read_text().splitlines()]
+    spent = collections.defaultdict(float)
+    for r in records:
+        spent[r.get("run", "")] += r.get("seconds", 0.0)
+    base_eval_s, left = next(r["base_eval_s"] for r in records if "base_eval_s" in r), 0.0
+    for label, a in runs:
+        name = label.replace(":", "+")
+        done = [s for run, s in spent.items() if run.startswith(name + "-seed")
+                and finished(folder / run, a.iterations)]
+        if finished(folder / f"{name}-seed{a.seed}", a.iterations):
+            continue
+        if measure and not done and not any(r.get("label") == label for r in records):
+            with contextlib.redirect_stdout(io.StringIO()):
+                per_iteration = benchmark(dataclasses.replace(a, benchmark=1))["total_s"]
+            append_json(folder / "timings.jsonl", {"label": label, "seconds_per_iteration": per_iteration})
+            records.append({"label": label, "seconds_per_iteration": per_iteration})
+        evals = base_eval_s * (1 + (a.iterations // a.eval_every) * a.curve_per_tag / a.eval_per_tag)
+        guess = next((r["seconds_per_iteration"] * a.iterations + evals for r in records if r.get("label") == label), 0)
+        left += np.mean(done) if done else guess
+    return left / workers
+
+def report(folder: Path) -> Path:
     return folder
-
-T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # Student's t, 97.5%
-
-def comparison_table(evals: dict, seeds: list[int], args: Args, tags: list[str]) -> str:
-    """comparison.md: each method against its base, then against Flow-GRPO at equal iterations and at about equal
-    forward passes. Every difference is paired (the same held-out prompts and noise): each seed's, ± its standard
-    error over prompts, and their mean with a 95% interval. Every seed meets the same held-out set, so the interval
-    adds two errors: the spread over seeds (Student's t) and, over prompts, that of the seeds' mean difference."""
-    toy = "eval_strict" in next(iter(evals.values()))[0][0]
-    rules = {"strict": "strict", "GenEval rule": "geneval"} if toy else {"reward": "reward"}
-
-    def difference(pairs: list[tuple[dict, dict]], key: str) -> str:  # (evaluation, the one it is paired with) a seed
-        diffs = [a["scores"][key] - b["scores"][key] for a, b in pairs]  # a seed's per-image differences
-        per_seed = [by_category(d, tags) for d in diffs]  # (mean, s.e. over prompts) a seed
-        d = [mean for mean, _ in per_seed]
-        seeds_se = np.std(d, ddof=1) / math.sqrt(len(d)) if len(d) > 1 else 0.0
-        prompts_se = by_category(torch.stack(diffs).mean(0), tags)[1]
-        half = math.hypot(T_975.get(len(d) - 1, 1.96) * seeds_se, 1.96 * prompts_se)
-        seeds = ", ".join(f"{mean:+.3f} ± {se:.3f}" for mean, se in per_seed)
-        return f"**{np.mean(d):+.3f}** [{np.mean(d) - half:+.3f}, {np.mean(d) + half:+.3f}] ({seeds})"
-
-    rows = [["method", "passes per iteration", *(f"{r}: base → final" for r in rules),
-             *(f"{r} gain [95% interval] (seeds)" for r in rules), *(["extra objects"] if toy else [])]]
-    for m, runs in evals.items():
-        base, final = [run[0] for run in runs], [run[-1] for run in runs]
-        scores = [f"{by_category(base[0]['scores'][k], tags)[0]:.3f} → "
-                  f"{np.mean([by_category(e['scores'][k], tags)[0] for e in final]):.3f}" for k in rules.values()]
-        extra = [f"{base[0]['eval_extra']:.1%} → {np.mean([e['eval_extra'] for e in final]):.1%}"] if toy else []
-        rows.append([m, f"{np.mean([e['nfe'] / e['iteration'] for e in final]):.0f}", *scores,
-                     *(difference(list(zip(final, base)), k) for k in rules.values()), *extra])
-    iterations = args.iterations or "each method's default number of"
-    text = f"Held-out scores, seeds {seeds}, {iterations} iterations.\n\n" + markdown_table(rows)
-    if "flow_grpo" not in evals or len(evals) == 1:
-        return text
-    flow = evals["flow_grpo"]
-    common = max(set.intersection(*({e["iteration"] for e in run} for runs in evals.values() for run in runs)))
-
-    def near_nfe(run: list[dict], ref: list[dict]) -> tuple[dict, dict]:  # the last evaluation within Flow-GRPO's
-        mine = ([e for e in run[1:] if e["nfe"] <= 1.1 * ref[-1]["nfe"]] or run[1:2])[-1]  # budget, and its nearest
-        return mine, min(ref[1:], key=lambda e: abs(e["nfe"] - mine["nfe"]))
-
-    versus = [["method", *(f"{r}, iteration {common}" for r in rules), "nfe: method / flow_grpo",
-               *(f"{r}, ~equal nfe" for r in rules)]]
-    for m, runs in evals.items():
-        if m != "flow_grpo":
-            same_it = [[e for e in run + ref if e["iteration"] == common] for run, ref in zip(runs, flow)]
-            same_nfe = [near_nfe(run, ref) for run, ref in zip(runs, flow)]
-            nfe = " / ".join(f"{np.mean([pair[i]['nfe'] for pair in same_nfe]):.3g}" for i in (0, 1))
-            versus.append([m, *(difference(same_it, k) for k in rules.values()), nfe,
-                           *(difference(same_nfe, k) for k in rules.values())])
-    return text + "\nAgainst Flow-GRPO (the method minus flow_grpo of the same seed):\n\n" + markdown_table(versus)
-
-def markdown_table(rows: list[list[str]]) -> str:
-    return "\n".join("| " + " | ".join(row) + " |" for row in [rows[0], ["---"] * len(rows[0]), *rows[1:]]) + "\n"
-
-def plot_comparison(evals: dict, path: Path) -> None:
-    """Held-out scores against iteration and nfe, the mean over seeds; on toy also strict and extra."""
-    def mean(runs, key):
-        return np.mean([[e[key] for e in run[: min(map(len, runs))]] for run in runs], 0)
-
-    keys = [k for k in SCORES if k in next(iter(evals.values()))[0][0]]
-    names = {"nfe": "forward passes (nfe)", "eval_overall": "toy-GenEval / reward", "eval_strict": "strict score",
-             "eval_extra": "images with extra objects"}
-    panels = [(x, "eval_overall") for x in ("iteration", "nfe")] + [("iteration", k) for k in keys[1:]]
-    line_plots([(names.get(x, x), names[y], {label: (mean(runs, x), mean(runs, y)) for label, runs in evals.items()})
-                for x, y in panels], path)
 
 def step_spread(args: Args) -> dict:
     """Which steps decide the image (TempFlow's and G2RPO's premise), by TempFlow's branching with one seed at every
@@ -1734,8 +1764,8 @@ def main(argv=None) -> int:
             benchmark(args)
         elif args.spread:
             step_spread(args)
-        elif args.method == "all" or "," in args.method or "," in args.compare_seeds:
-            compare(args, resume)
+        elif args.method not in CREDIT_ASSIGNMENT or len(parse_ints(args.compare_seeds, "--compare-seeds")) > 1:
+            compare(args)
         else:
             train(args, resume)
     except (UsageError, RunError) as e:
