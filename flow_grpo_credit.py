@@ -1662,8 +1662,172 @@ def projected_seconds(runs: list, folder: Path, workers: int, measure: bool = Fa
         left += np.mean(done) if done else guess
     return left / workers
 
+def student_t_cdf(x: float, df: int) -> float:
+    """P(T <= x) for Student's t with `df` degrees of freedom (no scipy here): with x = sqrt(df) tan(theta) its
+    density is Gamma((df+1)/2) / (Gamma(df/2) sqrt(pi)) cos(theta)^(df-1), smooth on [0, pi/2): Simpson's rule."""
+    theta = np.linspace(0.0, math.atan(abs(x) / math.sqrt(df)), 2001)
+    density = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(math.pi) * np.cos(theta) ** (df - 1)
+    area = (theta[1] - theta[0]) / 3 * (density[0] + density[-1] + 4 * density[1:-1:2].sum() + 2 * density[2:-1:2].sum())
+    return 0.5 + math.copysign(area, x)
+
+def student_t_quantile(p: float, df: int) -> float:
+    """x with P(T <= x) = p, p > 0.5, by bisection."""
+    low, high = 0.0, 1e4
+    for _ in range(60):
+        low, high = ((low + high) / 2, high) if student_t_cdf((low + high) / 2, df) < p else (low, (low + high) / 2)
+    return (low + high) / 2
+
+def seed_statistics(values: list[float], level: float = 0.95) -> dict:
+    """Over seeds: the mean, its two-sided t-interval at `level`, the p-value of "mean = 0" (Student's t test), the
+    interquartile mean (the mean of the middle half, int(n / 4) cut at each end) and the share of values > 0
+    (ties count a half: the probability of improvement of a paired difference)."""
+    v, n = np.sort(np.asarray(values, dtype=float)), len(values)
+    se = v.std(ddof=1) / math.sqrt(n) if n > 1 else math.inf
+    half = student_t_quantile(1 - (1 - level) / 2, n - 1) * se if n > 1 else math.inf
+    p = 2 * (1 - student_t_cdf(abs(v.mean()) / se, n - 1)) if n > 1 and se > 0 else float(v.mean() == 0)
+    return {"mean": v.mean(), "low": v.mean() - half, "high": v.mean() + half, "p": p, "n": n,
+            "iqm": v[n // 4: n - n // 4].mean(), "p_improvement": (v > 0).mean() + 0.5 * (v == 0).mean(),
+            "wins": int((v > 0).sum())}
+
+def holm(tests: dict[str, list[float]], alpha: float = 0.05) -> dict[str, dict]:
+    """Holm's step-down correction over the paired differences `tests` (one list a method): sorted by p-value, the
+    i-th (from 0) of m is tested at alpha / (m - i) and gets the interval of that level; p_holm is its adjusted
+    p-value, max over j <= i of min(1, (m - j) p_j)."""
+    order = sorted(tests, key=lambda k: seed_statistics(tests[k])["p"])
+    out, running = {}, 0.0
+    for i, name in enumerate(order):
+        stats = seed_statistics(tests[name], 1 - alpha / (len(order) - i))
+        running = max(running, min(1.0, (len(order) - i) * stats["p"]))
+        out[name] = stats | {"p_holm": running}
+    return out
+
 def report(folder: Path) -> Path:
+    """comparison.md and its figures from every finished run in `folder` ({label}-seed{n}): each method's gains over
+    the base, every seed's, and each method minus Flow-GRPO of the same seed (and each variant g2rpo:... minus its
+    method) at equal iterations and at about equal forward passes, paired on the held-out pairs both scored."""
+    runs = collections.defaultdict(dict)  # label -> {seed: its evaluation records, each with its run folder}
+    for run in sorted(folder.glob("*-seed*/args.json")):
+        args, (label, seed) = json.loads(run.read_text()), re.fullmatch(r"(.+)-seed(\d+)", run.parent.name).groups()
+        if finished(run := run.parent, args["iterations"]):
+            history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            runs[label.replace("+", ":")][int(seed)] = [h | {"run": run} for h in history if "eval_overall" in h]
+    if not runs:
+        raise UsageError(f"{folder}: no finished run to report")
+    runs = {label: runs[label] for label in sorted(runs, key=lambda l: (list(CREDIT_ASSIGNMENT).index(l.split(":")[0]), l))}
+    tags = [m.get("tag", "prompt") for m in torch.load(folder / "base_eval.pt", weights_only=True)[2]]
+    toy = "eval_strict" in next(iter(runs.values()))[min(next(iter(runs.values())))][0]
+    keys = {"strict": "strict", "GenEval rule": "geneval"} if toy else {"reward": "reward"}
+
+    def difference(a: dict, b: dict, key: str) -> float:  # evaluation a's score minus b's, on the pairs both scored
+        x, y = (torch.load(e["run"] / f"scores_{e['iteration']:04d}.pt", weights_only=True)[key] for e in (a, b))
+        n = min(len(x), len(y))
+        return by_category(x[:: len(x) // n] - y[:: len(y) // n], tags[:: len(tags) // n])[0]
+
+    def interval(st: dict) -> str:
+        return f"**{st['mean']:+.3f}** [{st['low']:+.3f}, {st['high']:+.3f}]"
+
+    timings = [json.loads(line) for line in (folder / "timings.jsonl").read_text().splitlines()]
+    spans = sorted((t["start"], t["start"] + t["seconds"]) for t in timings if "start" in t)
+    wall = sum(max(0.0, end - max(start, max([e for _, e in spans[:i]], default=0.0)))
+               for i, (start, end) in enumerate(spans))  # the union of the runs' spans: the time some run ran
+    seeds = sorted({s for by_seed in runs.values() for s in by_seed})
+    text = [f"# Comparison: {sum(map(len, runs.values()))} runs, seeds {seeds}, held-out set of {len(tags)} pairs\n",
+            f"Wall time {wall / 3600:.1f} h while runs ran ({sum(t.get('seconds', 0) for t in timings) / 3600:.1f} "
+            "process-hours, one thread each); the base is evaluated once. Intervals: Student's t over seeds, 95%.\n"]
+    rows = [["method", "seeds", "iterations", "forward passes", *(f"{k} gain [95%]" for k in keys), "strict IQM",
+             "collapsed (strict < 0)", *(["extra objects: base → final"] if toy else []), "minutes a run"]]
+    for label, by_seed in runs.items():
+        final = [evals[-1] for evals in by_seed.values()]
+        gains = {k: seed_statistics([e[f"gain_{'strict' if k == 'strict' else 'overall'}"] for e in final]) for k in keys}
+        seconds = [t["seconds"] for t in timings if t.get("run", "").startswith(label.replace(":", "+") + "-seed")]
+        rows.append([label, str(len(final)), str(final[0]["iteration"]), f"{np.mean([e['nfe'] for e in final]):.3g}",
+                     *(interval(st) for st in gains.values()), f"{next(iter(gains.values()))['iqm']:+.3f}",
+                     f"{sum(e['gain_' + ('strict' if toy else 'overall')] < 0 for e in final)} of {len(final)}",
+                     *([f"{by_seed[min(by_seed)][0]['eval_extra']:.1%} → {np.mean([e['eval_extra'] for e in final]):.1%}"]
+                       if toy else []), f"{np.mean(seconds) / 60:.0f}" if seconds else "—"])
+    text += ["## Each method's gain over the base (final evaluation, every pair)\n", markdown_table(rows)]
+    per_seed = [["seed", *runs]] + [[str(s), *(" / ".join(f"{by_seed[s][-1][k]:+.3f}" if "gain" in k else
+                                     f"{by_seed[s][-1][k]:.1%}" for k in ("gain_strict", "gain_overall", "eval_extra"))
+                                     if s in by_seed else "" for by_seed in runs.values())] for s in seeds]
+    text += ["## Every seed: strict gain / GenEval-rule gain / extra objects\n" if toy else "## Every seed\n",
+             markdown_table(per_seed)]
+    forest = {}
+    for budget in ("equal iterations", "about equal forward passes"):
+        pairs = {}  # label -> [(its evaluation, the reference's) a seed]
+        for label, by_seed in runs.items():
+            ref = "flow_grpo" if ":" not in label else label.split(":")[0]
+            for s in sorted(set(by_seed) & set(runs.get(ref, {})) if label != "flow_grpo" else []):
+                mine, theirs = by_seed[s][1:], runs[ref][s][1:]
+                if budget == "equal iterations":
+                    common = max({e["iteration"] for e in mine} & {e["iteration"] for e in theirs})
+                    pair = tuple(next(e for e in evals if e["iteration"] == common) for evals in (mine, theirs))
+                else:  # its last evaluation within the reference's budget, and the reference's nearest to it
+                    a = ([e for e in mine if e["nfe"] <= 1.1 * theirs[-1]["nfe"]] or mine[:1])[-1]
+                    pair = a, min(theirs, key=lambda e: abs(e["nfe"] - a["nfe"]))
+                pairs.setdefault(label, []).append(pair)
+        rows = [["method − reference", "reference", "evaluations compared (seed 0's)",
+                 *(f"{k}: mean [Holm interval]; p Holm" for k in keys), "P(improvement), wins", "every seed's strict"]]
+        stats = {k: {**holm({l: [difference(a, b, key) for a, b in p] for l, p in pairs.items() if ":" not in l}),
+                     **{l: seed_statistics([difference(a, b, key) for a, b in p]) | {"p_holm": math.nan}
+                        for l, p in pairs.items() if ":" in l}} for k, key in keys.items()}
+        first = next(iter(keys))
+        for label, p in pairs.items():
+            a, b = p[0]
+            rows.append([label, "flow_grpo" if ":" not in label else label.split(":")[0],
+                         f"it {a['iteration']}, {a['nfe']:.2g} passes / it {b['iteration']}, {b['nfe']:.2g}",
+                         *(f"{interval(stats[k][label])}; {stats[k][label]['p_holm']:.2g}" for k in keys),
+                         f"{stats[first][label]['p_improvement']:.2f}, {stats[first][label]['wins']} of "
+                         f"{stats[first][label]['n']}", ", ".join(f"{difference(a, b, keys[first]):+.3f}" for a, b in p)])
+        forest[budget] = stats[first]
+        text += [f"## Against the reference at {budget} (paired by seed; Holm over the methods against Flow-GRPO; "
+                 "a variant's interval is 95%)\n", markdown_table(rows)]
+    (folder / "comparison.md").write_text("\n".join(text))
+    plot_report(runs, forest, folder, "strict" if toy else "reward")
     return folder
+
+def markdown_table(rows: list[list[str]]) -> str:
+    return "\n".join("| " + " | ".join(row) + " |" for row in [rows[0], ["---"] * len(rows[0]), *rows[1:]]) + "\n"
+
+def plot_report(runs: dict, forest: dict, folder: Path, name: str) -> None:
+    """comparison_strip.png (every seed's gain, the mean and its 95% interval), comparison_forest.png (the
+    differences from the reference with their Holm intervals), comparison_curves.png (held-out scores, the mean
+    over seeds with its 95% band, against iteration, forward passes and seconds of training)."""
+    from matplotlib.figure import Figure
+    key = "gain_strict" if name == "strict" else "gain_overall"
+    fig = Figure(figsize=(1.3 * len(runs) + 2, 3.4), layout="tight")
+    ax = fig.subplots()
+    for i, by_seed in enumerate(runs.values()):
+        gains, st = [e[-1][key] for e in by_seed.values()], seed_statistics([e[-1][key] for e in by_seed.values()])
+        ax.scatter(i + np.linspace(-0.15, 0.15, len(gains)), gains, s=12, alpha=0.6)
+        ax.errorbar(i + 0.3, st["mean"], [[st["mean"] - st["low"]], [st["high"] - st["mean"]]], fmt="o", color="k")
+    ax.set(xticks=range(len(runs)), ylabel=f"{name} gain over the base (held-out)")
+    ax.set_xticklabels(list(runs), rotation=20, fontsize=7)
+    ax.axhline(0, color="grey", lw=0.8)
+    fig.savefig(folder / "comparison_strip.png", dpi=110)
+    fig = Figure(figsize=(6, 1 + 0.5 * len(runs)), layout="tight")
+    ax = fig.subplots()
+    labels = [label for label in runs if label in next(iter(forest.values()))]
+    for shift, (budget, stats) in zip((-0.12, 0.12), forest.items()):
+        ax.errorbar([stats[l]["mean"] for l in labels], np.arange(len(labels)) + shift, fmt="o", label=budget,
+                    xerr=[[stats[l]["mean"] - stats[l]["low"] for l in labels],
+                          [stats[l]["high"] - stats[l]["mean"] for l in labels]])
+    ax.set(yticks=range(len(labels)), xlabel=f"{name} difference from the reference (Holm intervals)")
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.axvline(0, color="grey", lw=0.8)
+    ax.legend(fontsize=7)
+    fig.savefig(folder / "comparison_forest.png", dpi=110)
+    fig = Figure(figsize=(13, 6.4), layout="tight")
+    for row, score in zip(fig.subplots(2, 3), (f"eval_{name}" if name == "strict" else "eval_overall", "eval_extra")):
+        for ax, x in zip(row, ("iteration", "nfe", "wall_s")):
+            for label, by_seed in runs.items():
+                xs, ys = (np.array([[e[k] for e in evals] for evals in by_seed.values()], dtype=float) for k in (x, score))
+                band = np.array([seed_statistics(column) for column in ys.T])
+                ax.plot(xs.mean(0), ys.mean(0), marker="o", ms=3, label=label)
+                ax.fill_between(xs.mean(0), [b["low"] for b in band], [b["high"] for b in band], alpha=0.15)
+            ax.set(xlabel={"nfe": "forward passes", "wall_s": "seconds of training"}.get(x, x), ylabel=score)
+            ax.grid(alpha=0.3)
+        row[0].legend(fontsize=7)
+    fig.savefig(folder / "comparison_curves.png", dpi=110)
 
 def step_spread(args: Args) -> dict:
     """Which steps decide the image (TempFlow's and G2RPO's premise), by TempFlow's branching with one seed at every
