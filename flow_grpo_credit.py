@@ -1566,8 +1566,8 @@ def plot_curves(history: list[dict], path: Path, label: str) -> None:
                 ("iteration", "groups of equal rewards (zero_std_frac)", flat)], path)
 
 def comparison_runs(args: Args) -> list[tuple[str, Args]]:
-    """(label, args) of every run of a comparison, seed by seed: each method of --method (all: the five; a method may
-    change flags after a colon, g2rpo:granularities=1,...) with each of --compare-seeds."""
+    """(label, args) of a comparison's runs, seed by seed: --method all (the five) or a list, where a method may
+    change flags after colons (g2rpo:granularities=1), with each of --compare-seeds."""
     labels = [m for item in args.method.split(",") for m in (CREDIT_ASSIGNMENT if item == "all" else [item])]
     runs = []
     for seed in parse_ints(args.compare_seeds, "--compare-seeds", "0-11"):
@@ -1581,45 +1581,54 @@ def comparison_runs(args: Args) -> list[tuple[str, Args]]:
                                                              compare_seeds=str(seed), workers=1))))
     return runs
 
+def run_folder(folder: Path, label: str, seed: int) -> Path:
+    return folder / f"{label.replace(':', '+')}-seed{seed}"
+
 def finished(run: Path, iterations: int) -> bool:
     metrics = run / "metrics.jsonl"
     return (run / "lora").is_dir() and json.loads(metrics.read_text().splitlines()[-1])["iteration"] == iterations
+
+def timings(folder: Path, **record) -> list[dict]:
+    """The comparison's timings.jsonl (each train call's seconds, the projections' guesses), `record` appended."""
+    path = folder / "timings.jsonl"
+    if record:
+        with path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 def compare(args: Args) -> Path:
     """`--method all` (or a list a,b) with --compare-seeds: each run in --out/comparison/{label}-seed{seed}, seed by
     seed, shared by `workers` processes; the base is evaluated once. The same command again continues: finished
     runs are kept, started ones resume. Then the report of every finished run there (`report`)."""
-    runs, folder, start = comparison_runs(args), Path(args.out) / "comparison", time.time()
-    device, base = resolve_device(args.device), Path(args.out) / "comparison" / "base_eval.pt"
+    runs, folder, device = comparison_runs(args), Path(args.out) / "comparison", resolve_device(args.device)
     workers = min(args.workers or (1 if device.type == "cuda" else len(os.sched_getaffinity(0))), len(runs))
     if workers > 1:  # measured on 2 CPU cores: two processes of one thread outrun one of two threads
         torch.set_num_threads(1)
     folder.mkdir(parents=True, exist_ok=True)
-    if not base.exists():  # the LoRA starts at zero: every run's first evaluation is the base's
-        seconds = time.time()
-        torch.save(evaluate(load_policy(runs[0][1], device), runs[0][1], None, prompt_sets(runs[0][1])[1]),
-                   folder / "base_eval.tmp")
-        os.replace(folder / "base_eval.tmp", base)
-        append_json(folder / "timings.jsonl", {"base_eval_s": time.time() - seconds})
-    spawn = torch.multiprocessing.get_context("spawn")
-    others = [spawn.Process(target=run_all, args=(runs, folder, workers, start)) for _ in range(workers - 1)]
+    if not (folder / "base_eval.pt").exists():  # the LoRA starts at zero: every run's first evaluation is the base's
+        start, first = time.time(), runs[0][1]
+        torch.save(evaluate(load_policy(first, device), first, None, prompt_sets(first)[1]), folder / "base_eval.tmp")
+        os.replace(folder / "base_eval.tmp", folder / "base_eval.pt")
+        timings(folder, run="base_eval", start=start, seconds=time.time() - start)
+    others = [torch.multiprocessing.get_context("spawn").Process(target=run_all, args=(runs, folder, workers))
+              for _ in range(workers - 1)]
     for process in others:
         process.start()
     print(f"comparison: {len(runs)} runs in {folder}, {workers} process(es); projected "
-          f"{projected_seconds(runs, folder, workers, measure=True) / 3600:.1f} h")
-    run_all(runs, folder, workers, start)
+          f"{projected_hours(runs, folder, workers, measure=True):.1f} h")
+    run_all(runs, folder, workers)
     for process in others:
         process.join()
     if any(process.exitcode for process in others):
-        raise RunError(f"a worker of the comparison failed (see above); run the same command again to continue")
+        raise RunError("a worker of the comparison failed (see above); run the same command again to continue")
     return report(folder)
 
-def run_all(runs: list, folder: Path, workers: int, start: float) -> None:
-    """One worker of a comparison: in order, every run that has not finished and that no other worker holds."""
+def run_all(runs: list, folder: Path, workers: int) -> None:
+    """A worker of a comparison: in order, each run that has not finished and that no other worker holds."""
     if workers > 1:
         torch.set_num_threads(1)
     for label, a in runs:
-        run = folder / f"{label.replace(':', '+')}-seed{a.seed}"
+        run = run_folder(folder, label, a.seed)
         with (folder / f".{run.name}.claim").open("w") as claim:
             try:
                 fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -1627,60 +1636,64 @@ def run_all(runs: list, folder: Path, workers: int, start: float) -> None:
                 continue  # another worker's
             if finished(run, a.iterations):
                 continue
-            seconds = time.time()
+            start = time.time()
             train(a, str(run) if (run / "checkpoint.pt").exists() else None, run, folder / "base_eval.pt")
-            append_json(folder / "timings.jsonl", {"run": run.name, "start": seconds, "seconds": time.time() - seconds})
-        done = sum(finished(folder / f"{lb.replace(':', '+')}-seed{b.seed}", b.iterations) for lb, b in runs)
-        print(f"comparison: {done} of {len(runs)} runs done, {(time.time() - start) / 3600:.1f} h elapsed, "
-              f"{projected_seconds(runs, folder, workers) / 3600:.1f} h remaining")
+            records = timings(folder, run=run.name, start=start, seconds=time.time() - start)
+        done = sum(finished(run_folder(folder, lb, b.seed), b.iterations) for lb, b in runs)
+        print(f"comparison: {done} of {len(runs)} runs done, {elapsed_hours(records):.1f} h elapsed, "
+              f"{projected_hours(runs, folder, workers):.1f} h remaining")
 
-def append_json(path: Path, record: dict) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+def elapsed_hours(records: list[dict]) -> float:
+    """The hours in which some run of the comparison ran: the union of the train calls' spans, over sittings."""
+    total, reached = 0.0, 0.0
+    for start, end in sorted((r["start"], r["start"] + r["seconds"]) for r in records if "start" in r):
+        total += max(0.0, end - max(start, reached))
+        reached = max(reached, end)
+    return total / 3600
 
-def projected_seconds(runs: list, folder: Path, workers: int, measure: bool = False) -> float:
-    """Time left for the unfinished runs: each label's measured seconds a run, or, before its first run ends, one
-    timed iteration (`benchmark`, if `measure`) times its iterations plus the evaluations at the base's speed."""
-    records = [json.loads(line) for line in (folder / "timings.jsonl").read_text().splitlines()]
-    spent = collections.defaultdict(float)
+def projected_hours(runs: list, folder: Path, workers: int, measure: bool = False) -> float:
+    """Hours left: each unfinished run takes its label's mean over its finished runs or, before one finishes, one
+    iteration (timed by `benchmark` if `measure`) times its iterations plus its evaluations at the base's speed."""
+    records, left = timings(folder), 0.0
+    spent = collections.Counter()
     for r in records:
-        spent[r.get("run", "")] += r.get("seconds", 0.0)
-    base_eval_s, left = next(r["base_eval_s"] for r in records if "base_eval_s" in r), 0.0
+        spent[r.get("run")] += r.get("seconds", 0.0)
     for label, a in runs:
-        name = label.replace(":", "+")
-        done = [s for run, s in spent.items() if run.startswith(name + "-seed")
-                and finished(folder / run, a.iterations)]
-        if finished(folder / f"{name}-seed{a.seed}", a.iterations):
+        if finished(run_folder(folder, label, a.seed), a.iterations):
             continue
-        if measure and not done and not any(r.get("label") == label for r in records):
+        done = [spent[run_folder(folder, lb, b.seed).name] for lb, b in runs
+                if lb == label and finished(run_folder(folder, lb, b.seed), b.iterations)]
+        guess = [r["seconds_per_iteration"] for r in records if r.get("label") == label]
+        if measure and not done and not guess:
             with contextlib.redirect_stdout(io.StringIO()):
-                per_iteration = benchmark(dataclasses.replace(a, benchmark=1))["total_s"]
-            append_json(folder / "timings.jsonl", {"label": label, "seconds_per_iteration": per_iteration})
-            records.append({"label": label, "seconds_per_iteration": per_iteration})
-        evals = base_eval_s * (1 + (a.iterations // a.eval_every) * a.curve_per_tag / a.eval_per_tag)
-        guess = next((r["seconds_per_iteration"] * a.iterations + evals for r in records if r.get("label") == label), 0)
-        left += np.mean(done) if done else guess
-    return left / workers
+                guess = [benchmark(dataclasses.replace(a, benchmark=1))["total_s"]]
+            timings(folder, label=label, seconds_per_iteration=guess[0])
+        evals = spent["base_eval"] * (1 + a.iterations // a.eval_every * a.curve_per_tag / a.eval_per_tag)
+        left += np.mean(done) if done else guess[0] * a.iterations + evals if guess else 0.0
+    return left / workers / 3600
 
 def student_t_cdf(x: float, df: int) -> float:
     """P(T <= x) for Student's t with `df` degrees of freedom (no scipy here): with x = sqrt(df) tan(theta) its
     density is Gamma((df+1)/2) / (Gamma(df/2) sqrt(pi)) cos(theta)^(df-1), smooth on [0, pi/2): Simpson's rule."""
     theta = np.linspace(0.0, math.atan(abs(x) / math.sqrt(df)), 2001)
     density = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(math.pi) * np.cos(theta) ** (df - 1)
-    area = (theta[1] - theta[0]) / 3 * (density[0] + density[-1] + 4 * density[1:-1:2].sum() + 2 * density[2:-1:2].sum())
+    weights = np.where(np.arange(len(theta)) % 2, 4.0, 2.0)  # Simpson's 1, 4, 2, 4, ..., 4, 1
+    weights[[0, -1]] = 1.0
+    area = (theta[1] - theta[0]) / 3 * float(weights @ density)
     return 0.5 + math.copysign(area, x)
 
 def student_t_quantile(p: float, df: int) -> float:
-    """x with P(T <= x) = p, p > 0.5, by bisection."""
+    """x with P(T <= x) = p > 0.5, by bisection."""
     low, high = 0.0, 1e4
     for _ in range(60):
-        low, high = ((low + high) / 2, high) if student_t_cdf((low + high) / 2, df) < p else (low, (low + high) / 2)
+        middle = (low + high) / 2
+        low, high = (middle, high) if student_t_cdf(middle, df) < p else (low, middle)
     return (low + high) / 2
 
 def seed_statistics(values: list[float], level: float = 0.95) -> dict:
     """Over seeds: the mean, its two-sided t-interval at `level`, the p-value of "mean = 0" (Student's t test), the
-    interquartile mean (the mean of the middle half, int(n / 4) cut at each end) and the share of values > 0
-    (ties count a half: the probability of improvement of a paired difference)."""
+    interquartile mean (int(n / 4) cut at each end) and the share of values > 0 (ties a half: the probability of
+    improvement of paired differences)."""
     v, n = np.sort(np.asarray(values, dtype=float)), len(values)
     se = v.std(ddof=1) / math.sqrt(n) if n > 1 else math.inf
     half = student_t_quantile(1 - (1 - level) / 2, n - 1) * se if n > 1 else math.inf
@@ -1690,10 +1703,9 @@ def seed_statistics(values: list[float], level: float = 0.95) -> dict:
             "wins": int((v > 0).sum())}
 
 def holm(tests: dict[str, list[float]], alpha: float = 0.05) -> dict[str, dict]:
-    """Holm's step-down correction over the paired differences `tests` (one list a method): sorted by p-value, the
-    i-th (from 0) of m is tested at alpha / (m - i) and gets the interval of that level; p_holm is its adjusted
-    p-value, max over j <= i of min(1, (m - j) p_j)."""
-    order = sorted(tests, key=lambda k: seed_statistics(tests[k])["p"])
+    """Holm's step-down correction of the paired differences `tests` (a list each): by p-value, the i-th (from 0) of
+    m is tested at alpha / (m - i) and gets the interval of that level; p_holm = max_{j <= i} min(1, (m - j) p_j)."""
+    order = sorted(tests, key=lambda name: seed_statistics(tests[name])["p"])
     out, running = {}, 0.0
     for i, name in enumerate(order):
         stats = seed_statistics(tests[name], 1 - alpha / (len(order) - i))
@@ -1702,21 +1714,24 @@ def holm(tests: dict[str, list[float]], alpha: float = 0.05) -> dict[str, dict]:
     return out
 
 def report(folder: Path) -> Path:
-    """comparison.md and its figures from every finished run in `folder` ({label}-seed{n}): each method's gains over
-    the base, every seed's, and each method minus Flow-GRPO of the same seed (and each variant g2rpo:... minus its
-    method) at equal iterations and at about equal forward passes, paired on the held-out pairs both scored."""
-    runs = collections.defaultdict(dict)  # label -> {seed: its evaluation records, each with its run folder}
-    for run in sorted(folder.glob("*-seed*/args.json")):
-        args, (label, seed) = json.loads(run.read_text()), re.fullmatch(r"(.+)-seed(\d+)", run.parent.name).groups()
-        if finished(run := run.parent, args["iterations"]):
-            history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-            runs[label.replace("+", ":")][int(seed)] = [h | {"run": run} for h in history if "eval_overall" in h]
-    if not runs:
+    """comparison.md, comparison.png and comparison_curves.png from the finished runs in `folder`: each method's
+    gains over the base, every seed's, and each method minus Flow-GRPO of the same seed (a variant g2rpo:... minus
+    its method) at equal iterations and at about equal forward passes, paired on the held-out pairs both scored."""
+    found = collections.defaultdict(dict)  # label -> {seed: its evaluation records, each with its run folder}
+    for path in sorted(folder.glob("*-seed*/args.json")):
+        label, seed = re.fullmatch(r"(.+)-seed(\d+)", path.parent.name).groups()
+        if finished(path.parent, json.loads(path.read_text())["iterations"]):
+            history = map(json.loads, (path.parent / "metrics.jsonl").read_text().splitlines())
+            evals = [h | {"run": path.parent} for h in history if "eval_overall" in h]
+            found[label.replace("+", ":")][int(seed)] = evals
+    if not found:
         raise UsageError(f"{folder}: no finished run to report")
-    runs = {label: runs[label] for label in sorted(runs, key=lambda l: (list(CREDIT_ASSIGNMENT).index(l.split(":")[0]), l))}
+    runs = {k: found[k] for k in sorted(found, key=lambda k: (list(CREDIT_ASSIGNMENT).index(k.split(":")[0]), k))}
     tags = [m.get("tag", "prompt") for m in torch.load(folder / "base_eval.pt", weights_only=True)[2]]
-    toy = "eval_strict" in next(iter(runs.values()))[min(next(iter(runs.values())))][0]
-    keys = {"strict": "strict", "GenEval rule": "geneval"} if toy else {"reward": "reward"}
+    toy = "eval_strict" in next(iter(next(iter(runs.values())).values()))[0]
+    gain_of = {"strict": "strict", "GenEval rule": "overall"} if toy else {"reward": "overall"}  # the records' gain_*
+    scores = {"strict": "strict", "GenEval rule": "geneval"} if toy else {"reward": "reward"}  # per-image scores
+    seeds = sorted({s for by_seed in runs.values() for s in by_seed})
 
     def difference(a: dict, b: dict, key: str) -> float:  # evaluation a's score minus b's, on the pairs both scored
         x, y = (torch.load(e["run"] / f"scores_{e['iteration']:04d}.pt", weights_only=True)[key] for e in (a, b))
@@ -1726,106 +1741,97 @@ def report(folder: Path) -> Path:
     def interval(st: dict) -> str:
         return f"**{st['mean']:+.3f}** [{st['low']:+.3f}, {st['high']:+.3f}]"
 
-    timings = [json.loads(line) for line in (folder / "timings.jsonl").read_text().splitlines()]
-    spans = sorted((t["start"], t["start"] + t["seconds"]) for t in timings if "start" in t)
-    wall = sum(max(0.0, end - max(start, max([e for _, e in spans[:i]], default=0.0)))
-               for i, (start, end) in enumerate(spans))  # the union of the runs' spans: the time some run ran
-    seeds = sorted({s for by_seed in runs.values() for s in by_seed})
+    records = timings(folder)
     text = [f"# Comparison: {sum(map(len, runs.values()))} runs, seeds {seeds}, held-out set of {len(tags)} pairs\n",
-            f"Wall time {wall / 3600:.1f} h while runs ran ({sum(t.get('seconds', 0) for t in timings) / 3600:.1f} "
-            "process-hours, one thread each); the base is evaluated once. Intervals: Student's t over seeds, 95%.\n"]
-    rows = [["method", "seeds", "iterations", "forward passes", *(f"{k} gain [95%]" for k in keys), "strict IQM",
-             "collapsed (strict < 0)", *(["extra objects: base → final"] if toy else []), "minutes a run"]]
+            f"{elapsed_hours(records):.1f} h while runs ran ({sum(r.get('seconds', 0) for r in records) / 3600:.1f} "
+            "process-hours), the base evaluated once. Intervals: Student's t over the seeds.\n"]
+    rows = [["method", "seeds", "iterations", "forward passes", *(f"{k} gain [95%]" for k in gain_of),
+             f"{next(iter(gain_of))} IQM", "collapsed (gain < 0)", *(["extra objects: base → final"] if toy else [])]]
     for label, by_seed in runs.items():
         final = [evals[-1] for evals in by_seed.values()]
-        gains = {k: seed_statistics([e[f"gain_{'strict' if k == 'strict' else 'overall'}"] for e in final]) for k in keys}
-        seconds = [t["seconds"] for t in timings if t.get("run", "").startswith(label.replace(":", "+") + "-seed")]
+        gains = {k: seed_statistics([e[f"gain_{key}"] for e in final]) for k, key in gain_of.items()}
+        first = next(iter(gains.values()))
+        extras = f"{by_seed[min(by_seed)][0]['eval_extra']:.1%} → {np.mean([e['eval_extra'] for e in final]):.1%}"
         rows.append([label, str(len(final)), str(final[0]["iteration"]), f"{np.mean([e['nfe'] for e in final]):.3g}",
-                     *(interval(st) for st in gains.values()), f"{next(iter(gains.values()))['iqm']:+.3f}",
-                     f"{sum(e['gain_' + ('strict' if toy else 'overall')] < 0 for e in final)} of {len(final)}",
-                     *([f"{by_seed[min(by_seed)][0]['eval_extra']:.1%} → {np.mean([e['eval_extra'] for e in final]):.1%}"]
-                       if toy else []), f"{np.mean(seconds) / 60:.0f}" if seconds else "—"])
-    text += ["## Each method's gain over the base (final evaluation, every pair)\n", markdown_table(rows)]
-    per_seed = [["seed", *runs]] + [[str(s), *(" / ".join(f"{by_seed[s][-1][k]:+.3f}" if "gain" in k else
-                                     f"{by_seed[s][-1][k]:.1%}" for k in ("gain_strict", "gain_overall", "eval_extra"))
-                                     if s in by_seed else "" for by_seed in runs.values())] for s in seeds]
-    text += ["## Every seed: strict gain / GenEval-rule gain / extra objects\n" if toy else "## Every seed\n",
-             markdown_table(per_seed)]
+                     *map(interval, gains.values()), f"{first['iqm']:+.3f}",
+                     f"{sum(e[f'gain_{next(iter(gain_of.values()))}'] < 0 for e in final)} of {len(final)}",
+                     *([extras] if toy else [])])
+    keys = ["gain_strict", "gain_overall", "eval_extra"] if toy else ["gain_overall"]
+    per_seed = [["seed", *runs]] + [[str(s), *(" / ".join(f"{by_seed[s][-1][k]:{'.1%' if 'extra' in k else '+.3f'}}"
+                                                          for k in keys)
+                                               if s in by_seed else "" for by_seed in runs.values())] for s in seeds]
+    text += ["## Each method's gain over the base (the last evaluation, every pair)\n", markdown_table(rows),
+             f"## Every seed: {' / '.join(keys)}\n", markdown_table(per_seed)]
     forest = {}
     for budget in ("equal iterations", "about equal forward passes"):
-        pairs = {}  # label -> [(its evaluation, the reference's) a seed]
+        pairs = collections.defaultdict(list)  # label -> [(its evaluation, the reference's) a seed]
         for label, by_seed in runs.items():
-            ref = "flow_grpo" if ":" not in label else label.split(":")[0]
-            for s in sorted(set(by_seed) & set(runs.get(ref, {})) if label != "flow_grpo" else []):
-                mine, theirs = by_seed[s][1:], runs[ref][s][1:]
+            reference = label.split(":")[0] if ":" in label else "flow_grpo"
+            for s in sorted(set(by_seed) & set(runs.get(reference, {})) if label != "flow_grpo" else []):
+                mine, theirs = by_seed[s][1:], runs[reference][s][1:]
                 if budget == "equal iterations":
                     common = max({e["iteration"] for e in mine} & {e["iteration"] for e in theirs})
-                    pair = tuple(next(e for e in evals if e["iteration"] == common) for evals in (mine, theirs))
-                else:  # its last evaluation within the reference's budget, and the reference's nearest to it
+                    pairs[label].append([next(e for e in run if e["iteration"] == common) for run in (mine, theirs)])
+                else:  # its last evaluation within the reference's passes (+10%), and the reference's nearest
                     a = ([e for e in mine if e["nfe"] <= 1.1 * theirs[-1]["nfe"]] or mine[:1])[-1]
-                    pair = a, min(theirs, key=lambda e: abs(e["nfe"] - a["nfe"]))
-                pairs.setdefault(label, []).append(pair)
-        rows = [["method − reference", "reference", "evaluations compared (seed 0's)",
-                 *(f"{k}: mean [Holm interval]; p Holm" for k in keys), "P(improvement), wins", "every seed's strict"]]
-        stats = {k: {**holm({l: [difference(a, b, key) for a, b in p] for l, p in pairs.items() if ":" not in l}),
-                     **{l: seed_statistics([difference(a, b, key) for a, b in p]) | {"p_holm": math.nan}
-                        for l, p in pairs.items() if ":" in l}} for k, key in keys.items()}
-        first = next(iter(keys))
+                    pairs[label].append([a, min(theirs, key=lambda e: abs(e["nfe"] - a["nfe"]))])
+        differences = {k: {label: [difference(a, b, key) for a, b in p] for label, p in pairs.items()}
+                       for k, key in scores.items()}
+        stats = {k: holm({label: d for label, d in by_label.items() if ":" not in label})
+                 | {label: seed_statistics(d) | {"p_holm": math.nan} for label, d in by_label.items() if ":" in label}
+                 for k, by_label in differences.items()}
+        rows = [["method", "reference", "evaluations (seed 0's)", *(f"{k}: mean [Holm interval]; p" for k in stats),
+                 "P(improvement), wins", "every seed's difference"]]
         for label, p in pairs.items():
-            a, b = p[0]
+            (a, b), main = p[0], stats[next(iter(stats))][label]
             rows.append([label, "flow_grpo" if ":" not in label else label.split(":")[0],
                          f"it {a['iteration']}, {a['nfe']:.2g} passes / it {b['iteration']}, {b['nfe']:.2g}",
-                         *(f"{interval(stats[k][label])}; {stats[k][label]['p_holm']:.2g}" for k in keys),
-                         f"{stats[first][label]['p_improvement']:.2f}, {stats[first][label]['wins']} of "
-                         f"{stats[first][label]['n']}", ", ".join(f"{difference(a, b, keys[first]):+.3f}" for a, b in p)])
-        forest[budget] = stats[first]
-        text += [f"## Against the reference at {budget} (paired by seed; Holm over the methods against Flow-GRPO; "
-                 "a variant's interval is 95%)\n", markdown_table(rows)]
+                         *(f"{interval(st[label])}; {st[label]['p_holm']:.2g}" for st in stats.values()),
+                         f"{main['p_improvement']:.2f}, {main['wins']} of {main['n']}",
+                         ", ".join(f"{d:+.3f}" for d in differences[next(iter(scores))][label])])
+        forest[budget] = stats[next(iter(stats))]
+        text += [f"## Against the reference at {budget}: paired by seed, Holm over the methods against Flow-GRPO "
+                 "(a variant's interval: 95%)\n", markdown_table(rows)]
     (folder / "comparison.md").write_text("\n".join(text))
-    plot_report(runs, forest, folder, "strict" if toy else "reward")
+    plot_report(runs, forest, folder, "strict" if toy else "overall")
     return folder
 
 def markdown_table(rows: list[list[str]]) -> str:
     return "\n".join("| " + " | ".join(row) + " |" for row in [rows[0], ["---"] * len(rows[0]), *rows[1:]]) + "\n"
 
-def plot_report(runs: dict, forest: dict, folder: Path, name: str) -> None:
-    """comparison_strip.png (every seed's gain, the mean and its 95% interval), comparison_forest.png (the
-    differences from the reference with their Holm intervals), comparison_curves.png (held-out scores, the mean
-    over seeds with its 95% band, against iteration, forward passes and seconds of training)."""
+def plot_report(runs: dict, forest: dict, folder: Path, score: str) -> None:
+    """comparison.png: every seed's gain with the mean and its 95% interval (strip), and the differences from the
+    reference with their Holm intervals (forest); comparison_curves.png: the held-out score and the extra-object
+    rate, the mean over seeds with its 95% band, against iteration, forward passes and seconds of training."""
     from matplotlib.figure import Figure
-    key = "gain_strict" if name == "strict" else "gain_overall"
-    fig = Figure(figsize=(1.3 * len(runs) + 2, 3.4), layout="tight")
-    ax = fig.subplots()
+    fig = Figure(figsize=(12, 1.5 + 0.4 * len(runs)), layout="tight")
+    strip, trees = fig.subplots(1, 2)
     for i, by_seed in enumerate(runs.values()):
-        gains, st = [e[-1][key] for e in by_seed.values()], seed_statistics([e[-1][key] for e in by_seed.values()])
-        ax.scatter(i + np.linspace(-0.15, 0.15, len(gains)), gains, s=12, alpha=0.6)
-        ax.errorbar(i + 0.3, st["mean"], [[st["mean"] - st["low"]], [st["high"] - st["mean"]]], fmt="o", color="k")
-    ax.set(xticks=range(len(runs)), ylabel=f"{name} gain over the base (held-out)")
-    ax.set_xticklabels(list(runs), rotation=20, fontsize=7)
-    ax.axhline(0, color="grey", lw=0.8)
-    fig.savefig(folder / "comparison_strip.png", dpi=110)
-    fig = Figure(figsize=(6, 1 + 0.5 * len(runs)), layout="tight")
-    ax = fig.subplots()
+        gains = [evals[-1][f"gain_{score}"] for evals in by_seed.values()]
+        st = seed_statistics(gains)
+        strip.scatter(gains, i + np.linspace(-0.2, 0.2, len(gains)), s=12, alpha=0.6)
+        strip.errorbar(st["mean"], i, xerr=[[st["mean"] - st["low"]], [st["high"] - st["mean"]]], fmt="o", color="k")
+    strip.set(yticks=range(len(runs)), yticklabels=list(runs), xlabel=f"{score} gain over the base (held-out)")
     labels = [label for label in runs if label in next(iter(forest.values()))]
     for shift, (budget, stats) in zip((-0.12, 0.12), forest.items()):
-        ax.errorbar([stats[l]["mean"] for l in labels], np.arange(len(labels)) + shift, fmt="o", label=budget,
-                    xerr=[[stats[l]["mean"] - stats[l]["low"] for l in labels],
-                          [stats[l]["high"] - stats[l]["mean"] for l in labels]])
-    ax.set(yticks=range(len(labels)), xlabel=f"{name} difference from the reference (Holm intervals)")
-    ax.set_yticklabels(labels, fontsize=7)
-    ax.axvline(0, color="grey", lw=0.8)
-    ax.legend(fontsize=7)
-    fig.savefig(folder / "comparison_forest.png", dpi=110)
-    fig = Figure(figsize=(13, 6.4), layout="tight")
-    for row, score in zip(fig.subplots(2, 3), (f"eval_{name}" if name == "strict" else "eval_overall", "eval_extra")):
+        trees.errorbar([stats[k]["mean"] for k in labels], np.arange(len(labels)) + shift, fmt="o", label=budget,
+                       xerr=[[stats[k]["mean"] - stats[k]["low"] for k in labels],
+                             [stats[k]["high"] - stats[k]["mean"] for k in labels]])
+    trees.set(yticks=range(len(labels)), yticklabels=labels, xlabel=f"{score}: the method minus its reference")
+    for ax in (strip, trees):
+        ax.axvline(0, color="grey", lw=0.8)
+    trees.legend(fontsize=7)
+    fig.savefig(folder / "comparison.png", dpi=110)
+    fig = Figure(figsize=(13, 3.2 * 2), layout="tight")
+    panels = ("eval_strict", "eval_extra") if score == "strict" else ("eval_overall",)
+    for row, y in zip(fig.subplots(len(panels), 3, squeeze=False), panels):
         for ax, x in zip(row, ("iteration", "nfe", "wall_s")):
             for label, by_seed in runs.items():
-                xs, ys = (np.array([[e[k] for e in evals] for evals in by_seed.values()], dtype=float) for k in (x, score))
-                band = np.array([seed_statistics(column) for column in ys.T])
+                xs, ys = (np.array([[e[k] for e in evals] for evals in by_seed.values()], dtype=float) for k in (x, y))
+                band = [seed_statistics(column) for column in ys.T]
                 ax.plot(xs.mean(0), ys.mean(0), marker="o", ms=3, label=label)
                 ax.fill_between(xs.mean(0), [b["low"] for b in band], [b["high"] for b in band], alpha=0.15)
-            ax.set(xlabel={"nfe": "forward passes", "wall_s": "seconds of training"}.get(x, x), ylabel=score)
-            ax.grid(alpha=0.3)
+            ax.set(xlabel={"nfe": "forward passes", "wall_s": "seconds of training"}.get(x, x), ylabel=y)
         row[0].legend(fontsize=7)
     fig.savefig(folder / "comparison_curves.png", dpi=110)
 
