@@ -1,7 +1,7 @@
 """flow_grpo_credit: credit assignment for GRPO on flow-matching text-to-image models, in one file.
 
-Five ways to credit the denoising steps of a flow model trained with GRPO, each a short function
-(section 7) beside one shared rollout (6) and one shared GRPO loss (8), to be read next to the papers.
+Five ways to credit the denoising steps, a short function each (section 7) beside one shared rollout (6) and GRPO
+loss (8), to be read next to the papers.
 
     flow_grpo  Flow-GRPO           arXiv 2505.05470  SDE at every step, one advantage for all steps
     stepwise   Stepwise-Flow-GRPO  arXiv 2603.28718  Tweedie reward of every state, credit = reward gain
@@ -9,28 +9,23 @@ Five ways to credit the denoising steps of a flow model trained with GRPO, each 
     g2rpo      G2RPO               arXiv 2510.01982  one SDE step from a shared anchor, multi-granularity
     chunk      Chunk-GRPO          arXiv 2510.21583  one importance ratio per chunk of steps
 
-Reading path: one Flow-GRPO iteration, in the order it runs
-    train (9) -> iteration_context: prompts, embeddings, generators -> flow_grpo (7): rollout (6), an sde_step (5)
-    at every step; Context.reward (4) of the final images; group_normalise (7), the GRPO advantage -> transitions_from
-    (6) -> update (8): minibatches -> accumulate_gradients -> grpo_loss -> transition_log_probs (sde_step again, at
-    the stored x_{k+1}) -> AdamW step -> the adapter's moving average (9) -> evaluate (10) every `eval_every`.
+Reading path, one Flow-GRPO iteration: train (9) -> iteration_context -> flow_grpo (7): rollout (6), sde_step (5) at
+    each step; Context.reward (4); group_normalise (7) -> transitions_from (6) -> update (8): accumulate_gradients ->
+    grpo_loss -> transition_log_probs (sde_step at the stored x_{k+1}) -> AdamW -> the adapter's moving average (9).
 
 Paper symbols and their names here (x_t = (1 - t) x0 + t x1: t = 1 is noise, t = 0 data; the model predicts v = x1 - x0)
-    k, its direction  transition k maps t_k to t_{k+1} on a grid 1 = t_0 > ... > t_S = 0 (diffusers' scheduler):
-                      k counts UP from the noise, and x_0 here is the noise state. The papers count DOWN (x_T ->
-                      x_0, their x_0 or r_0 the final image): Stepwise's g_t = r_{t-1} - r_t is gain[:, k] here
+    k, its direction  transition k: t_k -> t_{k+1} on the grid 1 = t_0 > ... > t_S = 0, counting UP from the noise x_0;
+                      the papers count DOWN to their image x_0 (or r_0): Stepwise's g_t = r_{t-1} - r_t is gain[:, k]
     Delta_k           `dt` = t_k - t_{k+1} > 0 (Flow-GRPO's code: sigma_prev - sigma < 0, the same step)
     sigma_t           the flow SDE's a sqrt(t / (1 - t)), with a = `noise_level` (eta of ddim and cps): sde_step
     s_k               `std`, the transition's std: sigma_t sqrt(Delta_k) under the flow SDE (step_stds)
     x0_hat, x1_hat    Tweedie's x_t - t v and x_t + (1 - t) v: sde_step; Stepwise's `tweedie_x0` adds ODE sub-steps
     A_i (A_i^k)       `advantage`: group_normalise of rewards r (or gains), per image (or per step)
     rho               `ratio` in grpo_loss; `r` is always a reward
-    B, G, S           `b` prompts, `g` images per group (or branches), `n_steps` steps; N transitions, K chunks and
-                      C/H/W latent (the toy's latent is the 3 x 16 x 16 image) in shape comments
-A step's Gaussian log-prob is a MEAN over the D = C*H*W dimensions, as in every official code, so the ratio is the D-th
-root of the likelihood ratio, near 1 (grpo_loss says what this does to the clip range). Devices: ids, masks, counters
-on the CPU; what meets the model, a reward or a collective on `policy.device`; they cross only in `Dist`,
-`Transitions` and `build_reward`. Noise is drawn on CPU generators, so CPU and GPU runs match.
+    B, G, S           `b` prompts, `g` images per group (or branches), `n_steps` steps; N transitions, K chunks
+A step's log-prob is a MEAN over the D = C*H*W dimensions, as in every official code: rho is the D-th root of the
+likelihood ratio (grpo_loss). Ids, masks and counters live on the CPU, what meets the model on `policy.device`;
+they cross only in `Dist`, `Transitions`, `build_reward`. Noise is drawn on CPU generators: CPU and GPU runs match.
 
 Deviations from the papers and official codes, cited as "Deviation n" where the code makes them
     1. The toy world stands in for SD3.5 + GenEval. Its default reward, toy-strict, ranks images as the strict rule
@@ -146,10 +141,6 @@ class Dist:
         parts = [torch.empty_like(x) for _ in range(self.world)]
         torch.distributed.all_gather(parts, x.contiguous())
         return torch.cat(parts)
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            torch.distributed.barrier()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -346,12 +337,11 @@ def detect(img: np.ndarray, min_area: int = 6) -> list[Detection]:
     return found
 
 def score_image(img: np.ndarray, meta: dict) -> dict:
-    """Four scores of one image against its prompt:
-    geneval  GenEval's verdict (0/1): each include item needs >= count objects of its class (and colour,
-             and relation to include[index]); each exclude item needs < count objects of its class.
-    dense    per include item, half credit for objects of the class and half for the right colour (each
-             min(n, count) / count), shrunk where an exclude is broken; a position item counts half for
-             its objects and half for the relation; the mean over items, in [0, 1].
+    """The scores of one image against its prompt:
+    geneval  GenEval's verdict (0/1): each include item needs >= count objects of its class (and colour, and relation
+             to include[index]); each exclude item needs < count objects of its class.
+    dense    per include item, the mean of min(found, count) / count for its class and for its class in its colour (a
+             position item: that, averaged with its relation), shrunk where an exclude is broken; mean of items.
     strict   GenEval's verdict and nothing else: no more objects than the prompt asks for.
     extra    objects found beyond those asked for (any blob counts, a known shape or not).
     missing  asked objects whose class is not found (per include item, count minus those of its class)."""
@@ -1016,8 +1006,7 @@ def g2rpo(ctx: Context):
     Shared ODE anchor per prompt; at every k of the first half of the steps, G branches take one SDE step from its
     state x_k, each finished by ODE at every granularity lambda (every lambda-th node after t_{k+1}, to t = 0):
         A_k^i = sum_lambda (R_k^{i,lambda} - mean_i) / std_i.
-    Differs from flow_grpo by: an ODE anchor shared by the group; one SDE step per rollout, at k in the first half;
-    per-step rewards of ODE continuations at several granularities, whose advantages add up."""
+    Differs from flow_grpo by: a shared ODE anchor; one SDE step per rollout; per-step, multi-granularity rewards."""
     b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
     prompt = torch.arange(b)
     anchor = ctx.rollout(prompt, initial_noise(ctx.policy, b, ctx.shared_gen), ctx.grid, [False] * n_steps)
@@ -1042,7 +1031,6 @@ def chunk(ctx: Context):
     Sampling and advantage as flow_grpo, independent noises included (GCPO's code shares one a GPU: Deviation 9);
     consecutive trained steps form chunks of one importance ratio each; a fraction may be trained, drawn by mean
     relative L1:  ratio_j = exp( mean_{k in chunk j} (log pi_theta - log pi_old) ).
-    `--chunks auto` places the boundaries by a heuristic of this project; `paper` scales the papers' and code's.
     Differs from flow_grpo by: chunk ids that make the shared loss use chunk-level ratios."""
     b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
     prompt = repeat(torch.arange(b), g)  # (B*G,)
@@ -1291,28 +1279,18 @@ def prompt_sets(args: Args) -> tuple[list[dict] | None, list[dict]]:
         raise UsageError(f"--prompts {args.prompts}: needs at least 2 prompts (one a line); it has {len(metas)}")
     return [m for i, m in enumerate(metas) if i % 10], metas[::10]
 
-@dataclass
-class Setup:
-    """What training and --benchmark both build before their first iteration."""
-
-    policy: Policy
-    reward_fn: object
-    params: list
-    opt: torch.optim.Optimizer
-    grid: torch.Tensor  # (S+1,) training time grid
-    chunk_sizes: list | None
-    train_pool: list | None
-    eval_metas: list
+# What training and --benchmark both build before their first iteration; grid: the (S+1,) training time grid
+Setup = collections.namedtuple("Setup", "policy reward_fn params opt grid chunk_sizes train_pool eval_metas")
 
 def setup(args: Args, dist: Dist) -> Setup:
     """Model, reward, LoRA adapter (in DDP under torchrun), optimiser and training grid."""
     from transformers import set_seed
     set_seed(args.seed)
     if dist.rank > 0:  # rank 0 loads first: it alone pretrains and caches the toy model if needed
-        dist.barrier()
+        torch.distributed.barrier()
     policy, reward_fn = load_policy(args, dist.device), build_reward(args, dist.device)
-    if dist.rank == 0:
-        dist.barrier()
+    if dist.rank == 0 and dist.world > 1:
+        torch.distributed.barrier()
     grid = policy.time_grid(args.steps)
     chunk_sizes = chunk_sizes_of(policy, args, grid, dist)  # from the base model, before any adapter
     params = add_lora(policy, args)
@@ -1458,7 +1436,6 @@ def save_checkpoint(run: Path, policy, opt, ema, state: dict) -> None:
     os.replace(run / "checkpoint.pt.tmp", run / "checkpoint.pt")
 
 def load_checkpoint(run: Path, policy, opt, ema) -> dict:
-    """`run`'s checkpoint, onto the CPU as weights only."""
     from peft.utils import set_peft_model_state_dict
     if not (run / "checkpoint.pt").exists():
         raise UsageError(f"--resume {run}: no checkpoint.pt there (a run folder written by this script is expected)")
