@@ -54,7 +54,6 @@ import dataclasses
 import datetime
 import fcntl
 import hashlib
-import io
 import json
 import math
 import os
@@ -211,8 +210,7 @@ class Args:
 
     checkpoint_every: int = 10  # write checkpoint.pt every N iterations (and at the end); --resume RUN_DIR continues
     max_nonfinite: int = 3  # stop after this many iterations in a row with non-finite rewards, advantages or loss
-    compare_seeds: str = "0"  # with --method all (or a list a,b,g2rpo:granularities=1): the seeds, e.g. 0-11
-    workers: int = 0  # comparison: processes of one thread sharing its runs (0: one per CPU core, 1 on CUDA)
+    compare_seeds: str = "0"  # with --method all (or a list a,b): the seeds every method runs with, e.g. 0-11
     benchmark: int = 0  # time N iterations (after a warm-up one): seconds per phase, images per second, memory
     spread: int = 0  # where the image is decided: N prompts a category, G children branching at each step (plot)
 
@@ -1228,7 +1226,7 @@ RULES = {  # what a valid value of each flag is, and how to tell
     ">= 3": (["steps"], lambda v: v >= 3),
     "> 0": (["clip_range", "max_grad_norm", "resolution"], lambda v: v > 0),
     ">= 0": (["micro_batch", "noise_level", "extra_penalty", "beta", "lora_rank", "lora_alpha", "branch_steps",
-              "benchmark", "spread", "workers"], lambda v: v >= 0),
+              "benchmark", "spread"], lambda v: v >= 0),
     ">= 1": (["prompts_per_iter", "eval_steps", "eval_every", "eval_per_tag", "curve_per_tag", "inner_updates",
               "tweedie_substeps",
               "seeds", "num_chunks", "pretrain_steps", "checkpoint_every", "max_nonfinite"], lambda v: v >= 1),
@@ -1311,21 +1309,19 @@ def iteration_context(args: Args, parts: Setup, it: int, meter: Meter, dist: Dis
     return Context(parts.policy, args, meter, gen, metas, parts.policy.encode([m["prompt"] for m in metas]), parts.grid,
                    parts.reward_fn, parts.chunk_sizes, dist, shared)
 
-def train(args: Args, resume: str | None = None, run: Path | None = None, base_eval: Path | None = None) -> list[dict]:
+def train(args: Args, resume: str | None = None) -> list[dict]:
     """GRPO with the chosen credit assignment -> the metric records (also in metrics.jsonl). `resume`, a run
-    folder, continues from its checkpoint; `run` names a new one; `base_eval` holds the base's evaluation
-    (`evaluate`'s output: the LoRA starts at zero). Under torchrun DDP averages gradients, rank 0 evaluates and writes."""
+    folder, continues from its checkpoint. Under torchrun DDP averages gradients, rank 0 evaluates and writes."""
     from diffusers.training_utils import EMAModel
     args = validate(args)
     dist = Dist.setup(resolve_device(args.device))
     if args.group_size % dist.world:
         raise UsageError(f"--group-size {args.group_size} must be a multiple of the {dist.world} ranks")
     writer, parts = dist.rank == 0, setup(args, dist)
-    named, run = bool(resume or run), Path(resume or run or Path(args.out) / f"{args.method}-seed{args.seed}-"
-                                           f"{time.strftime('%Y%m%d-%H%M%S')}")
+    run = Path(resume or Path(args.out) / f"{args.method}-seed{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
     if writer:  # made after loading: a model that fails to load leaves no empty folder
         try:
-            run.mkdir(parents=True, exist_ok=named)
+            run.mkdir(parents=True, exist_ok=bool(resume))
         except OSError as e:
             raise UsageError(f"--out {args.out!r}: cannot create the run folder {run} ({e.strerror or e})") from None
         lock = (run / ".lock").open("w")  # one writer per run folder: the lock is the process's until it exits
@@ -1352,12 +1348,8 @@ def train(args: Args, resume: str | None = None, run: Path | None = None, base_e
         nfe = int(dist.reduce(meter.nfe))
         if writer:  # the other ranks go on and wait for rank 0 in the next collective
             every = 1 if iteration in (0, args.iterations) else max(1, args.eval_per_tag // args.curve_per_tag)
-            if iteration == 0 and base_eval:
-                metrics, images, metas, scores = torch.load(base_eval, weights_only=True)
-            else:
-                with ema_applied(ema, parts.params):
-                    metrics, images, metas, scores = evaluate(parts.policy, args, parts.reward_fn, parts.eval_metas,
-                                                              every)
+            with ema_applied(ema, parts.params):
+                metrics, images, metas, scores = evaluate(parts.policy, args, parts.reward_fn, parts.eval_metas, every)
             state["base_scores"] = state.get("base_scores") or scores  # the gains are paired with the first evaluation
             base = {k: v[::every] for k, v in state["base_scores"].items()}  # the same pairs as this evaluation's
             gains = paired_gains(scores, base, [m.get("tag", "prompt") for m in metas])
@@ -1542,275 +1534,97 @@ def plot_curves(history: list[dict], path: Path, label: str) -> None:
                 ("iteration", "mean |advantage| of the step", credit),
                 ("iteration", "groups of equal rewards (zero_std_frac)", flat)], path)
 
-def comparison_runs(args: Args) -> list[tuple[str, Args]]:
-    """(label, args) of a comparison's runs, seed by seed: --method all (the five) or a list, where a method may
-    change flags after colons (g2rpo:granularities=1), with each of --compare-seeds."""
-    labels = [m for item in args.method.split(",") for m in (CREDIT_ASSIGNMENT if item == "all" else [item])]
-    runs = []
-    for seed in parse_ints(args.compare_seeds, "--compare-seeds", "0-11"):
-        for label in labels:
-            method, *changes = label.split(":")
-            try:
-                flags = {k: type(getattr(Args, k))(v) for k, v in (change.split("=") for change in changes)}
-            except (AttributeError, ValueError):
-                raise UsageError(f"--method {label}: flags after a method are name=value, like g2rpo:granularities=1")
-            runs.append((label, validate(dataclasses.replace(args, **flags, method=method, seed=seed,
-                                                             compare_seeds=str(seed), workers=1))))
-    return runs
-
-def run_folder(folder: Path, label: str, seed: int) -> Path:
-    return folder / f"{label.replace(':', '+')}-seed{seed}"
-
-def finished(run: Path, iterations: int) -> bool:
-    metrics = run / "metrics.jsonl"
-    return (run / "lora").is_dir() and json.loads(metrics.read_text().splitlines()[-1])["iteration"] == iterations
-
-def timings(folder: Path, **record) -> list[dict]:
-    """The comparison's timings.jsonl (each train call's seconds, the projections' guesses), `record` appended."""
-    path = folder / "timings.jsonl"
-    if record:
-        with path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-def compare(args: Args) -> Path:
-    """`--method all` (or a list a,b) with --compare-seeds: each run in --out/comparison/{label}-seed{seed}, seed by
-    seed, shared by `workers` processes; the base is evaluated once. The same command again continues: finished
-    runs are kept, started ones resume. Then the report of every finished run there (`report`)."""
-    runs, folder, device = comparison_runs(args), Path(args.out) / "comparison", resolve_device(args.device)
-    workers = min(args.workers or (1 if device.type == "cuda" else len(os.sched_getaffinity(0))), len(runs))
-    if workers > 1:  # measured on 2 CPU cores: two processes of one thread outrun one of two threads
-        torch.set_num_threads(1)
+def compare(args: Args, folder: str | None = None) -> Path:
+    """`--method all` (or a list a,b, or several --compare-seeds): every method with the same seeds, one run after
+    another -> comparison.md and .png. `--resume` continues every run."""
+    seeds = parse_ints(args.compare_seeds, "--compare-seeds")
+    methods = list(CREDIT_ASSIGNMENT) if args.method == "all" else args.method.split(",")
+    folder = Path(folder) if folder else Path(args.out) / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    runs = [validate(dataclasses.replace(args, method=m, seed=seed, compare_seeds=str(seed), out=str(folder)))
+            for m in methods for seed in seeds]  # all validated before the first starts; each args.json says one run
+    started = [sorted(folder.glob(f"{a.method}-seed{a.seed}-*/checkpoint.pt")) for a in runs]
+    resumes = [str(found[-1].parent) if found else None for found in started]  # what --resume continues
     folder.mkdir(parents=True, exist_ok=True)
-    if not (folder / "base_eval.pt").exists():  # the LoRA starts at zero: every run's first evaluation is the base's
-        start, first = time.time(), runs[0][1]
-        torch.save(evaluate(load_policy(first, device), first, None, prompt_sets(first)[1]), folder / "base_eval.tmp")
-        os.replace(folder / "base_eval.tmp", folder / "base_eval.pt")
-        timings(folder, run="base_eval", start=start, seconds=time.time() - start)
-    others = [torch.multiprocessing.get_context("spawn").Process(target=run_all, args=(runs, folder, workers))
-              for _ in range(workers - 1)]
-    for process in others:
-        process.start()
-    print(f"comparison: {len(runs)} runs in {folder}, {workers} process(es); projected "
-          f"{projected_hours(runs, folder, workers, measure=True):.1f} h")
-    run_all(runs, folder, workers)
-    for process in others:
-        process.join()
-    if any(process.exitcode for process in others):
-        raise RunError("a worker of the comparison failed (see above); run the same command again to continue")
-    return report(folder)
-
-def run_all(runs: list, folder: Path, workers: int) -> None:
-    """A worker of a comparison: in order, each run that has not finished and that no other worker holds."""
-    if workers > 1:
-        torch.set_num_threads(1)
-    for label, a in runs:
-        run = run_folder(folder, label, a.seed)
-        with (folder / f".{run.name}.claim").open("w") as claim:
-            try:
-                fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # another worker's
-            if finished(run, a.iterations):
-                continue
-            start = time.time()
-            train(a, str(run) if (run / "checkpoint.pt").exists() else None, run, folder / "base_eval.pt")
-            records = timings(folder, run=run.name, start=start, seconds=time.time() - start)
-        done = sum(finished(run_folder(folder, lb, b.seed), b.iterations) for lb, b in runs)
-        print(f"comparison: {done} of {len(runs)} runs done, {elapsed_hours(records):.1f} h elapsed, "
-              f"{projected_hours(runs, folder, workers):.1f} h remaining")
-
-def elapsed_hours(records: list[dict]) -> float:
-    """The hours in which some run of the comparison ran: the union of the train calls' spans, over sittings."""
-    total, reached = 0.0, 0.0
-    for start, end in sorted((r["start"], r["start"] + r["seconds"]) for r in records if "start" in r):
-        total += max(0.0, end - max(start, reached))
-        reached = max(reached, end)
-    return total / 3600
-
-def projected_hours(runs: list, folder: Path, workers: int, measure: bool = False) -> float:
-    """Hours left: each unfinished run takes its label's mean over its finished runs or, before one finishes, one
-    iteration (timed by `benchmark` if `measure`) times its iterations plus its evaluations at the base's speed."""
-    records, left = timings(folder), 0.0
-    spent = collections.Counter()
-    for r in records:
-        spent[r.get("run")] += r.get("seconds", 0.0)
-    for label, a in runs:
-        if finished(run_folder(folder, label, a.seed), a.iterations):
-            continue
-        done = [spent[run_folder(folder, lb, b.seed).name] for lb, b in runs
-                if lb == label and finished(run_folder(folder, lb, b.seed), b.iterations)]
-        guess = [r["seconds_per_iteration"] for r in records if r.get("label") == label]
-        if measure and not done and not guess:
-            with contextlib.redirect_stdout(io.StringIO()):
-                guess = [benchmark(dataclasses.replace(a, benchmark=1))["total_s"]]
-            timings(folder, label=label, seconds_per_iteration=guess[0])
-        evals = spent["base_eval"] * (1 + a.iterations // a.eval_every * a.curve_per_tag / a.eval_per_tag)
-        left += np.mean(done) if done else guess[0] * a.iterations + evals if guess else 0.0
-    return left / workers / 3600
-
-def student_t_cdf(x: float, df: int) -> float:
-    """P(T <= x) for Student's t with `df` degrees of freedom (no scipy here): with x = sqrt(df) tan(theta) its
-    density is Gamma((df+1)/2) / (Gamma(df/2) sqrt(pi)) cos(theta)^(df-1), smooth on [0, pi/2): Simpson's rule."""
-    theta = np.linspace(0.0, math.atan(abs(x) / math.sqrt(df)), 2001)
-    density = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(math.pi) * np.cos(theta) ** (df - 1)
-    weights = np.where(np.arange(len(theta)) % 2, 4.0, 2.0)  # Simpson's 1, 4, 2, 4, ..., 4, 1
-    weights[[0, -1]] = 1.0
-    area = (theta[1] - theta[0]) / 3 * float(weights @ density)
-    return 0.5 + math.copysign(area, x)
-
-def student_t_quantile(p: float, df: int) -> float:
-    """x with P(T <= x) = p > 0.5, by bisection."""
-    low, high = 0.0, 1e4
-    for _ in range(60):
-        middle = (low + high) / 2
-        low, high = (middle, high) if student_t_cdf(middle, df) < p else (low, middle)
-    return (low + high) / 2
-
-def seed_statistics(values: list[float], level: float = 0.95) -> dict:
-    """Over seeds: the mean, its two-sided t-interval at `level`, the p-value of "mean = 0" (Student's t test), the
-    interquartile mean (int(n / 4) cut at each end) and the share of values > 0 (ties a half: the probability of
-    improvement of paired differences)."""
-    v, n = np.sort(np.asarray(values, dtype=float)), len(values)
-    se = v.std(ddof=1) / math.sqrt(n) if n > 1 else math.inf
-    half = student_t_quantile(1 - (1 - level) / 2, n - 1) * se if n > 1 else math.inf
-    p = 2 * (1 - student_t_cdf(abs(v.mean()) / se, n - 1)) if n > 1 and se > 0 else float(v.mean() == 0)
-    return {"mean": v.mean(), "low": v.mean() - half, "high": v.mean() + half, "p": p, "n": n,
-            "iqm": v[n // 4: n - n // 4].mean(), "p_improvement": (v > 0).mean() + 0.5 * (v == 0).mean(),
-            "wins": int((v > 0).sum())}
-
-def holm(tests: dict[str, list[float]], alpha: float = 0.05) -> dict[str, dict]:
-    """Holm's step-down correction of the paired differences `tests` (a list each): by p-value, the i-th (from 0) of
-    m is tested at alpha / (m - i) and gets the interval of that level; p_holm = max_{j <= i} min(1, (m - j) p_j)."""
-    order = sorted(tests, key=lambda name: seed_statistics(tests[name])["p"])
-    out, running = {}, 0.0
-    for i, name in enumerate(order):
-        stats = seed_statistics(tests[name], 1 - alpha / (len(order) - i))
-        running = max(running, min(1.0, (len(order) - i) * stats["p"]))
-        out[name] = stats | {"p_holm": running}
-    return out
-
-def report(folder: Path) -> Path:
-    """comparison.md, comparison.png and comparison_curves.png from the finished runs in `folder`: each method's
-    gains over the base, every seed's, and each method minus Flow-GRPO of the same seed (a variant g2rpo:... minus
-    its method) at equal iterations and at about equal forward passes, paired on the held-out pairs both scored."""
-    found = collections.defaultdict(dict)  # label -> {seed: its evaluation records, each with its run folder}
-    for path in sorted(folder.glob("*-seed*/args.json")):
-        label, seed = re.fullmatch(r"(.+)-seed(\d+)", path.parent.name).groups()
-        if finished(path.parent, json.loads(path.read_text())["iterations"]):
-            history = map(json.loads, (path.parent / "metrics.jsonl").read_text().splitlines())
-            evals = [h | {"run": path.parent} for h in history if "eval_overall" in h]
-            found[label.replace("+", ":")][int(seed)] = evals
-    if not found:
-        raise UsageError(f"{folder}: no finished run to report")
-    runs = {k: found[k] for k in sorted(found, key=lambda k: (list(CREDIT_ASSIGNMENT).index(k.split(":")[0]), k))}
-    tags = [m.get("tag", "prompt") for m in torch.load(folder / "base_eval.pt", weights_only=True)[2]]
-    toy = "eval_strict" in next(iter(next(iter(runs.values())).values()))[0]
-    gain_of = {"strict": "strict", "GenEval rule": "overall"} if toy else {"reward": "overall"}  # the records' gain_*
-    scores = {"strict": "strict", "GenEval rule": "geneval"} if toy else {"reward": "reward"}  # per-image scores
-    seeds = sorted({s for by_seed in runs.values() for s in by_seed})
-
-    def difference(a: dict, b: dict, key: str) -> float:  # evaluation a's score minus b's, on the pairs both scored
-        x, y = (torch.load(e["run"] / f"scores_{e['iteration']:04d}.pt", weights_only=True)[key] for e in (a, b))
-        n = min(len(x), len(y))
-        return by_category(x[:: len(x) // n] - y[:: len(y) // n], tags[:: len(tags) // n])[0]
-
-    def interval(st: dict) -> str:
-        return f"**{st['mean']:+.3f}** [{st['low']:+.3f}, {st['high']:+.3f}]"
-
-    records = timings(folder)
-    text = [f"# Comparison: {sum(map(len, runs.values()))} runs, seeds {seeds}, held-out set of {len(tags)} pairs\n",
-            f"{elapsed_hours(records):.1f} h while runs ran ({sum(r.get('seconds', 0) for r in records) / 3600:.1f} "
-            "process-hours), the base evaluated once. Intervals: Student's t over the seeds.\n"]
-    rows = [["method", "seeds", "iterations", "forward passes", *(f"{k} gain [95%]" for k in gain_of),
-             f"{next(iter(gain_of))} IQM", "collapsed (gain < 0)", *(["extra objects: base → final"] if toy else [])]]
-    for label, by_seed in runs.items():
-        final = [evals[-1] for evals in by_seed.values()]
-        gains = {k: seed_statistics([e[f"gain_{key}"] for e in final]) for k, key in gain_of.items()}
-        first = next(iter(gains.values()))
-        extras = f"{by_seed[min(by_seed)][0]['eval_extra']:.1%} → {np.mean([e['eval_extra'] for e in final]):.1%}"
-        rows.append([label, str(len(final)), str(final[0]["iteration"]), f"{np.mean([e['nfe'] for e in final]):.3g}",
-                     *map(interval, gains.values()), f"{first['iqm']:+.3f}",
-                     f"{sum(e[f'gain_{next(iter(gain_of.values()))}'] < 0 for e in final)} of {len(final)}",
-                     *([extras] if toy else [])])
-    keys = ["gain_strict", "gain_overall", "eval_extra"] if toy else ["gain_overall"]
-    per_seed = [["seed", *runs]] + [[str(s), *(" / ".join(f"{by_seed[s][-1][k]:{'.1%' if 'extra' in k else '+.3f'}}"
-                                                          for k in keys)
-                                               if s in by_seed else "" for by_seed in runs.values())] for s in seeds]
-    text += ["## Each method's gain over the base (the last evaluation, every pair)\n", markdown_table(rows),
-             f"## Every seed: {' / '.join(keys)}\n", markdown_table(per_seed)]
-    forest = {}
-    for budget in ("equal iterations", "about equal forward passes"):
-        pairs = collections.defaultdict(list)  # label -> [(its evaluation, the reference's) a seed]
-        for label, by_seed in runs.items():
-            reference = label.split(":")[0] if ":" in label else "flow_grpo"
-            for s in sorted(set(by_seed) & set(runs.get(reference, {})) if label != "flow_grpo" else []):
-                mine, theirs = by_seed[s][1:], runs[reference][s][1:]
-                if budget == "equal iterations":
-                    common = max({e["iteration"] for e in mine} & {e["iteration"] for e in theirs})
-                    pairs[label].append([next(e for e in run if e["iteration"] == common) for run in (mine, theirs)])
-                else:  # its last evaluation within the reference's passes (+10%), and the reference's nearest
-                    a = ([e for e in mine if e["nfe"] <= 1.1 * theirs[-1]["nfe"]] or mine[:1])[-1]
-                    pairs[label].append([a, min(theirs, key=lambda e: abs(e["nfe"] - a["nfe"]))])
-        differences = {k: {label: [difference(a, b, key) for a, b in p] for label, p in pairs.items()}
-                       for k, key in scores.items()}
-        stats = {k: holm({label: d for label, d in by_label.items() if ":" not in label})
-                 | {label: seed_statistics(d) | {"p_holm": math.nan} for label, d in by_label.items() if ":" in label}
-                 for k, by_label in differences.items()}
-        rows = [["method", "reference", "evaluations (seed 0's)", *(f"{k}: mean [Holm interval]; p" for k in stats),
-                 "P(improvement), wins", "every seed's difference"]]
-        for label, p in pairs.items():
-            (a, b), main = p[0], stats[next(iter(stats))][label]
-            rows.append([label, "flow_grpo" if ":" not in label else label.split(":")[0],
-                         f"it {a['iteration']}, {a['nfe']:.2g} passes / it {b['iteration']}, {b['nfe']:.2g}",
-                         *(f"{interval(st[label])}; {st[label]['p_holm']:.2g}" for st in stats.values()),
-                         f"{main['p_improvement']:.2f}, {main['wins']} of {main['n']}",
-                         ", ".join(f"{d:+.3f}" for d in differences[next(iter(scores))][label])])
-        forest[budget] = stats[next(iter(stats))]
-        text += [f"## Against the reference at {budget}: paired by seed, Holm over the methods against Flow-GRPO "
-                 "(a variant's interval: 95%)\n", markdown_table(rows)]
-    (folder / "comparison.md").write_text("\n".join(text))
-    plot_report(runs, forest, folder, "strict" if toy else "overall")
+    (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+    evals = {m: [] for m in methods}  # each method's runs (a seed each), each its evaluations with per-image scores
+    for a, resume in zip(runs, resumes):
+        history, run = train(a, resume), sorted(folder.glob(f"{a.method}-seed{a.seed}-*/metrics.jsonl"))[-1].parent
+        evals[a.method].append([h | {"scores": torch.load(run / f"scores_{h['iteration']:04d}.pt", weights_only=True)}
+                                for h in history if "eval_overall" in h])
+    tags = [m.get("tag", "prompt") for m in prompt_sets(args)[1]]
+    (folder / "comparison.md").write_text(comparison_table(evals, seeds, args, tags))
+    plot_comparison(evals, folder / "comparison.png")
+    print((folder / "comparison.md").read_text())
     return folder
+
+T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # Student's t, 97.5%
+
+def comparison_table(evals: dict, seeds: list[int], args: Args, tags: list[str]) -> str:
+    """comparison.md: each method against its base, then against Flow-GRPO at equal iterations and at about equal
+    forward passes. Every difference is paired (the same held-out prompts and noise): each seed's, ± its standard
+    error over prompts, and their mean with a 95% interval. Every seed meets the same held-out set, so the interval
+    adds two errors: the spread over seeds (Student's t) and, over prompts, that of the seeds' mean difference."""
+    toy = "eval_strict" in next(iter(evals.values()))[0][0]
+    rules = {"strict": "strict", "GenEval rule": "geneval"} if toy else {"reward": "reward"}
+
+    def difference(pairs: list[tuple[dict, dict]], key: str) -> str:  # (evaluation, the one it is paired with) a seed
+        n = min(len(e["scores"][key]) for pair in pairs for e in pair)  # a curve's evaluation scores every k-th pair
+        diffs = [a["scores"][key][:: len(a["scores"][key]) // n] - b["scores"][key][:: len(b["scores"][key]) // n]
+                 for a, b in pairs]  # a seed's per-image differences, on the pairs both scored
+        tags_n = tags[:: len(tags) // n]
+        per_seed = [by_category(d, tags_n) for d in diffs]  # (mean, s.e. over prompts) a seed
+        d = [mean for mean, _ in per_seed]
+        seeds_se = np.std(d, ddof=1) / math.sqrt(len(d)) if len(d) > 1 else 0.0
+        prompts_se = by_category(torch.stack(diffs).mean(0), tags_n)[1]
+        half = math.hypot(T_975.get(len(d) - 1, 1.96) * seeds_se, 1.96 * prompts_se)
+        seeds = ", ".join(f"{mean:+.3f} ± {se:.3f}" for mean, se in per_seed)
+        return f"**{np.mean(d):+.3f}** [{np.mean(d) - half:+.3f}, {np.mean(d) + half:+.3f}] ({seeds})"
+
+    rows = [["method", "passes per iteration", *(f"{r}: base → final" for r in rules),
+             *(f"{r} gain [95% interval] (seeds)" for r in rules), *(["extra objects"] if toy else [])]]
+    for m, runs in evals.items():
+        base, final = [run[0] for run in runs], [run[-1] for run in runs]
+        scores = [f"{by_category(base[0]['scores'][k], tags)[0]:.3f} → "
+                  f"{np.mean([by_category(e['scores'][k], tags)[0] for e in final]):.3f}" for k in rules.values()]
+        extra = [f"{base[0]['eval_extra']:.1%} → {np.mean([e['eval_extra'] for e in final]):.1%}"] if toy else []
+        rows.append([m, f"{np.mean([e['nfe'] / e['iteration'] for e in final]):.0f}", *scores,
+                     *(difference(list(zip(final, base)), k) for k in rules.values()), *extra])
+    iterations = args.iterations or "each method's default number of"
+    text = f"Held-out scores, seeds {seeds}, {iterations} iterations.\n\n" + markdown_table(rows)
+    if "flow_grpo" not in evals or len(evals) == 1:
+        return text
+    flow = evals["flow_grpo"]
+    common = max(set.intersection(*({e["iteration"] for e in run} for runs in evals.values() for run in runs)))
+
+    def near_nfe(run: list[dict], ref: list[dict]) -> tuple[dict, dict]:  # the last evaluation within Flow-GRPO's
+        mine = ([e for e in run[1:] if e["nfe"] <= 1.1 * ref[-1]["nfe"]] or run[1:2])[-1]  # budget, and its nearest
+        return mine, min(ref[1:], key=lambda e: abs(e["nfe"] - mine["nfe"]))
+
+    versus = [["method", *(f"{r}, iteration {common}" for r in rules), "nfe: method / flow_grpo",
+               *(f"{r}, ~equal nfe" for r in rules)]]
+    for m, runs in evals.items():
+        if m != "flow_grpo":
+            same_it = [[e for e in run + ref if e["iteration"] == common] for run, ref in zip(runs, flow)]
+            same_nfe = [near_nfe(run, ref) for run, ref in zip(runs, flow)]
+            nfe = " / ".join(f"{np.mean([pair[i]['nfe'] for pair in same_nfe]):.3g}" for i in (0, 1))
+            versus.append([m, *(difference(same_it, k) for k in rules.values()), nfe,
+                           *(difference(same_nfe, k) for k in rules.values())])
+    return text + "\nAgainst Flow-GRPO (the method minus flow_grpo of the same seed):\n\n" + markdown_table(versus)
 
 def markdown_table(rows: list[list[str]]) -> str:
     return "\n".join("| " + " | ".join(row) + " |" for row in [rows[0], ["---"] * len(rows[0]), *rows[1:]]) + "\n"
 
-def plot_report(runs: dict, forest: dict, folder: Path, score: str) -> None:
-    """comparison.png: every seed's gain with the mean and its 95% interval (strip), and the differences from the
-    reference with their Holm intervals (forest); comparison_curves.png: the held-out score and the extra-object
-    rate, the mean over seeds with its 95% band, against iteration, forward passes and seconds of training."""
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(12, 1.5 + 0.4 * len(runs)), layout="tight")
-    strip, trees = fig.subplots(1, 2)
-    for i, by_seed in enumerate(runs.values()):
-        gains = [evals[-1][f"gain_{score}"] for evals in by_seed.values()]
-        st = seed_statistics(gains)
-        strip.scatter(gains, i + np.linspace(-0.2, 0.2, len(gains)), s=12, alpha=0.6)
-        strip.errorbar(st["mean"], i, xerr=[[st["mean"] - st["low"]], [st["high"] - st["mean"]]], fmt="o", color="k")
-    strip.set(yticks=range(len(runs)), yticklabels=list(runs), xlabel=f"{score} gain over the base (held-out)")
-    labels = [label for label in runs if label in next(iter(forest.values()))]
-    for shift, (budget, stats) in zip((-0.12, 0.12), forest.items()):
-        trees.errorbar([stats[k]["mean"] for k in labels], np.arange(len(labels)) + shift, fmt="o", label=budget,
-                       xerr=[[stats[k]["mean"] - stats[k]["low"] for k in labels],
-                             [stats[k]["high"] - stats[k]["mean"] for k in labels]])
-    trees.set(yticks=range(len(labels)), yticklabels=labels, xlabel=f"{score}: the method minus its reference")
-    for ax in (strip, trees):
-        ax.axvline(0, color="grey", lw=0.8)
-    trees.legend(fontsize=7)
-    fig.savefig(folder / "comparison.png", dpi=110)
-    fig = Figure(figsize=(13, 3.2 * 2), layout="tight")
-    panels = ("eval_strict", "eval_extra") if score == "strict" else ("eval_overall",)
-    for row, y in zip(fig.subplots(len(panels), 3, squeeze=False), panels):
-        for ax, x in zip(row, ("iteration", "nfe", "wall_s")):
-            for label, by_seed in runs.items():
-                xs, ys = (np.array([[e[k] for e in evals] for evals in by_seed.values()], dtype=float) for k in (x, y))
-                band = [seed_statistics(column) for column in ys.T]
-                ax.plot(xs.mean(0), ys.mean(0), marker="o", ms=3, label=label)
-                ax.fill_between(xs.mean(0), [b["low"] for b in band], [b["high"] for b in band], alpha=0.15)
-            ax.set(xlabel={"nfe": "forward passes", "wall_s": "seconds of training"}.get(x, x), ylabel=y)
-        row[0].legend(fontsize=7)
-    fig.savefig(folder / "comparison_curves.png", dpi=110)
+def plot_comparison(evals: dict, path: Path) -> None:
+    """Held-out scores against iteration and nfe, the mean over seeds; on toy also strict and extra."""
+    def mean(runs, key):
+        return np.mean([[e[key] for e in run[: min(map(len, runs))]] for run in runs], 0)
+
+    keys = [k for k in SCORES if k in next(iter(evals.values()))[0][0]]
+    names = {"nfe": "forward passes (nfe)", "eval_overall": "toy-GenEval / reward", "eval_strict": "strict score",
+             "eval_extra": "images with extra objects"}
+    panels = [(x, "eval_overall") for x in ("iteration", "nfe")] + [("iteration", k) for k in keys[1:]]
+    line_plots([(names.get(x, x), names[y], {label: (mean(runs, x), mean(runs, y)) for label, runs in evals.items()})
+                for x, y in panels], path)
 
 def step_spread(args: Args) -> dict:
     """Which steps decide the image (TempFlow's and G2RPO's premise), by TempFlow's branching with one seed at every
@@ -1912,7 +1726,7 @@ def main(argv=None) -> int:
         elif args.spread:
             step_spread(args)
         elif args.method not in CREDIT_ASSIGNMENT or len(parse_ints(args.compare_seeds, "--compare-seeds")) > 1:
-            compare(args)
+            compare(args, resume)
         else:
             train(args, resume)
     except (UsageError, RunError) as e:

@@ -1009,6 +1009,23 @@ def strip_time(history):
     return [{k: v for k, v in h.items() if k != "wall_s"} for h in history]
 
 
+def test_the_curves_evaluations_score_every_kth_held_out_pair_paired_with_the_base_and_the_end_scores_all(
+        tiny_cache, tmp_path):
+    """With 2 prompts a category and curve_per_tag 1, iteration 1 scores every other pair (6 of 12) with their
+    own noise, its gain paired with the base's scores of the same pairs; the start and the end score all 12."""
+    history = fgc.train(tiny_args(tiny_cache, tmp_path, iterations=2, eval_every=1, eval_per_tag=2, curve_per_tag=1))
+    run, evals = next(tmp_path.iterdir()), [h for h in history if "eval_pairs" in h]
+    assert [h["eval_pairs"] for h in evals] == [12, 6, 12]
+    base, mid = (torch.load(run / f"scores_{i:04d}.pt")["strict"] for i in (0, 1))
+    tags = [m["tag"] for m in fgc.eval_prompts(2)]
+    assert evals[1]["gain_strict"] == pytest.approx(fgc.by_category(mid - base[::2], tags[::2])[0])
+    policy = fgc.load_toy(fgc.validate(tiny_args(tiny_cache, tmp_path)), torch.device("cpu"))
+    _, _, metas, scores = fgc.evaluate(policy, fgc.Args(eval_per_tag=2, eval_steps=2), metas=None, every=2)
+    every_pair = fgc.evaluate(policy, fgc.Args(eval_per_tag=2, eval_steps=2))[3]
+    assert [m["prompt"] for m in metas] == [m["prompt"] for m in fgc.eval_prompts(2)[::2]]
+    assert torch.equal(scores["reward"], every_pair["reward"][::2])  # the same pairs: the same noise
+
+
 def test_same_seed_gives_the_same_metrics(tiny_cache, tmp_path):
     a = fgc.train(tiny_args(tiny_cache, tmp_path / "a"))
     b = fgc.train(tiny_args(tiny_cache, tmp_path / "b"))
@@ -1748,116 +1765,67 @@ def table_rows(table: str) -> list[dict]:
     return parsed
 
 
-def test_student_t_and_seed_statistics_match_their_closed_forms_and_a_hand_worked_example():
-    """t's quantile and cdf against the closed forms of 1, 2 and 3 degrees of freedom; over the four seeds
-    0.1, 0.2, 0.3, 0.6 (mean 0.3, s.d. sqrt(0.14 / 3), t(0.975, 3) = 3.1824) the 95% interval, the p-value,
-    the interquartile mean (0.2 and 0.3 kept) and, of 0.1, 0, -0.2, 0.3, the probability of improvement."""
-    for p in (0.975, 0.99375):
-        assert fgc.student_t_quantile(p, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), rel=1e-4)
-        assert fgc.student_t_quantile(p, 2) == pytest.approx((2 * p - 1) / math.sqrt(2 * p * (1 - p)), rel=1e-4)
-    assert fgc.student_t_quantile(0.975, 11) == pytest.approx(2.2010, abs=1e-4)
-    stats = fgc.seed_statistics([0.1, 0.2, 0.3, 0.6])
-    se = math.sqrt(0.14 / 3) / 2
-    t = 0.3 / se
-    cdf = 0.5 + (t / math.sqrt(3) / (1 + t**2 / 3) + math.atan(t / math.sqrt(3))) / math.pi  # Student's t, 3 d.f.
-    assert stats["mean"] == pytest.approx(0.3) and stats["high"] - 0.3 == pytest.approx(3.182446 * se, rel=1e-5)
-    assert stats["p"] == pytest.approx(2 * (1 - cdf), rel=1e-5) and stats["iqm"] == pytest.approx(0.25)
-    mixed = fgc.seed_statistics([0.1, 0.0, -0.2, 0.3])
-    assert (mixed["p_improvement"], mixed["wins"], mixed["n"]) == (0.625, 2, 4)
-
-
-def test_holm_tests_the_i_th_smallest_p_value_at_alpha_over_m_minus_i_and_widens_its_interval_so():
-    """Three paired differences over two seeds (1 degree of freedom, t quantile tan(pi (p - 1/2))): sorted by
-    p-value they get intervals of level 1 - 0.05/3, 1 - 0.05/2, 0.95 and adjusted p-values 3 p1, max(3 p1, 2 p2),
-    max(.., p3)."""
-    tests = {"a": [0.10, 0.12], "b": [0.05, 0.30], "c": [-0.2, 0.25]}
-    plain = {k: fgc.seed_statistics(v) for k, v in tests.items()}
-    order = sorted(tests, key=lambda k: plain[k]["p"])
-    assert order == ["a", "b", "c"]
-    corrected = fgc.holm(tests)
-    for i, name in enumerate(order):
-        level = 1 - 0.05 / (3 - i)
-        se = np.std(tests[name], ddof=1) / math.sqrt(2)
-        half = math.tan(math.pi * (1 - (1 - level) / 2 - 0.5)) * se
-        assert corrected[name]["high"] - corrected[name]["mean"] == pytest.approx(half, rel=1e-4)
-    p = [plain[k]["p"] for k in order]
-    expected = [min(1, 3 * p[0]), max(min(1, 3 * p[0]), min(1, 2 * p[1]))]
-    expected.append(max(expected[1], p[2]))
-    assert [corrected[k]["p_holm"] for k in order] == pytest.approx(expected)
-
-
-def fake_run(folder, label, seed, evals, tags):
-    """A finished run folder as `train` leaves it: args.json, metrics.jsonl, scores_*.pt, lora/; `evals` is
-    [(iteration, nfe, per-image strict scores)], the base's first."""
-    run = folder / f"{label.replace(':', '+')}-seed{seed}"
-    (run / "lora").mkdir(parents=True)
-    (run / "args.json").write_text(json.dumps({"iterations": evals[-1][0]}))
-    base = evals[0][2]
-    lines = []
-    for it, nfe, strict in evals:
-        torch.save({"strict": strict, "geneval": strict}, run / f"scores_{it:04d}.pt")
-        gain = fgc.by_category(strict - base[:: len(base) // len(strict)], tags[:: len(tags) // len(strict)])[0]
-        lines.append({"iteration": it, "eval_overall": 0.5, "eval_strict": float(strict.mean()), "eval_extra": 0.2,
-                      "gain_strict": gain, "gain_overall": gain, "nfe": nfe, "wall_s": it * 1.0})
-    (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, lines)))
-
-
-def test_a_report_pairs_each_seed_with_flow_grpo_at_equal_iterations_and_forward_passes(tmp_path):
-    """Flow-GRPO of 4 iterations (curve at 2 on every other pair) against chunk of 2 and of twice the passes an
-    iteration, on three seeds: at equal iterations chunk's end meets Flow-GRPO's iteration 2 on the pairs both
-    scored, at about equal passes chunk's iteration 1 meets Flow-GRPO's end; the gains, the IQM and the wins."""
-    tags = ["single_object"] * 4 + ["counting"] * 4
-    base = torch.zeros(8)
-    (tmp_path / "timings.jsonl").write_text(json.dumps({"base_eval_s": 1.0}) + "\n")
-    torch.save(({}, None, [{"tag": t} for t in tags], {}), tmp_path / "base_eval.pt")
-    flow_mid, flow_end = torch.tensor([1.0, 0, 0, 0]), torch.tensor([1.0, 0, 1, 0, 1, 0, 0, 0])
-    for seed, extra in enumerate((1.0, 0.0, 1.0)):
-        fake_run(tmp_path, "flow_grpo", seed, [(0, 0, base), (2, 200, flow_mid), (4, 400, flow_end)], tags)
-        chunk_mid, chunk_end = torch.tensor([extra, 0, 0, 0]), torch.tensor([1.0, 0, 1, 0, extra, 0, 1, 0])
-        fake_run(tmp_path, "chunk", seed, [(0, 0, base), (1, 400, chunk_mid), (2, 800, chunk_end)], tags)
-    text = (fgc.report(tmp_path) / "comparison.md").read_text()
-    gains, per_seed, same_it, same_nfe = table_rows(text)
-    # chunk's end minus the base: (1/2 + (extra + 1)/4) / 2, so 0.5, 0.375, 0.5
-    assert gains["chunk"]["strict gain [95%]"].startswith(f"**{(0.5 + 0.375 + 0.5) / 3:+.3f}**")
-    assert gains["chunk"]["strict IQM"] == "+0.458" and gains["flow_grpo"]["collapsed (gain < 0)"] == "0 of 3"
-    assert per_seed["1"]["chunk"].startswith("+0.375 / +0.375 / 20.0%")
-    # equal iterations, the pairs 0, 2 | 4, 6: chunk (1, 1 | extra, 1) - flow (1, 0 | 0, 0): (1/2 + (extra + 1)/2) / 2
-    assert same_it["chunk"]["every seed's difference"] == "+0.750, +0.500, +0.750"
-    assert same_it["chunk"]["P(improvement), wins"] == "1.00, 3 of 3"
-    # about equal passes: chunk at iteration 1 (400 passes) - flow's end (1, 1 | 1, 0): ((extra - 2)/2 - 1/2) / 2
-    assert same_nfe["chunk"]["every seed's difference"] == "-0.500, -0.750, -0.500"
-    assert same_nfe["chunk"]["evaluations (seed 0's)"] == "it 1, 4e+02 passes / it 4, 4e+02"
-    assert (tmp_path / "comparison.png").exists() and (tmp_path / "comparison_curves.png").exists()
-
-
-def test_a_comparison_runs_every_method_and_seed_once_resumes_with_the_same_command_and_evaluates_the_base_once(
-        tiny_cache, tmp_path):
-    """Two workers share the runs; each run repeats a run made alone exactly, its first evaluation the base's
-    (evaluated once), the curve's on every other held-out pair, the end on all; the same command with more
-    iterations continues every run in place."""
-    args = tiny_args(tiny_cache, tmp_path, method="flow_grpo,g2rpo:granularities=1", compare_seeds="0-1",
-                     iterations=2, eval_every=1, eval_per_tag=2, curve_per_tag=1, workers=2)
+def test_a_comparison_states_each_method_against_flow_grpo_as_paired_differences_with_intervals(tiny_cache, tmp_path):
+    """comparison.md: each method's gain over its base, then its difference from Flow-GRPO of the same seed at
+    equal iterations and at about equal nfe, computed from the per-image scores every evaluation saves: each
+    seed's paired difference ± its standard error over prompts, and the mean with Student's 95% interval."""
+    args = tiny_args(tiny_cache, tmp_path, method="flow_grpo,stepwise", iterations=2, eval_every=1,
+                     compare_seeds="0,1", tweedie_substeps=1)  # two methods keep the suite short; `all` runs five
     folder = fgc.compare(args)
-    names = ["flow_grpo-seed0", "g2rpo+granularities=1-seed0", "flow_grpo-seed1", "g2rpo+granularities=1-seed1"]
-    assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == sorted(names)
-    timings = [json.loads(line) for line in (folder / "timings.jsonl").read_text().splitlines()]
-    assert sum("base_eval_s" in t for t in timings) == 1 and sorted(t["run"] for t in timings if "run" in t) == sorted(names)
+    gains, versus = table_rows((folder / "comparison.md").read_text())
+    assert set(gains) == {"flow_grpo", "stepwise"} and set(versus) == {"stepwise"}
+    assert (folder / "comparison.png").exists()
+    tags = [m["tag"] for m in fgc.eval_prompts(args.eval_per_tag)]
+    runs = {m: [sorted(folder.glob(f"{m}-seed{seed}-*"))[0] for seed in (0, 1)] for m in ("flow_grpo", "stepwise")}
+
+    def scores(run, iteration):
+        return torch.load(run / f"scores_{iteration:04d}.pt")["strict"]
+
+    def expected(pairs):  # [(scores, scores it is paired with)] per seed -> the cell
+        diffs = [fgc.by_category(a - b, tags) for a, b in pairs]
+        d = [mean for mean, _ in diffs]
+        over_seeds = 12.71 * np.std(d, ddof=1) / math.sqrt(2)  # Student's t of 1 degree of freedom
+        over_prompts = 1.96 * fgc.by_category(sum(a - b for a, b in pairs) / 2, tags)[1]  # the seeds' mean
+        half = math.sqrt(over_seeds**2 + over_prompts**2)
+        seeds = ", ".join(f"{mean:+.3f} ± {se:.3f}" for mean, se in diffs)
+        return f"**{np.mean(d):+.3f}** [{np.mean(d) - half:+.3f}, {np.mean(d) + half:+.3f}] ({seeds})"
+
+    row = gains["stepwise"]
+    own_gain = [(scores(r, 2), scores(r, 0)) for r in runs["stepwise"]]
+    assert row["strict gain [95% interval] (seeds)"] == expected(own_gain)
+    same_iteration = [(scores(r, 2), scores(f, 2)) for r, f in zip(runs["stepwise"], runs["flow_grpo"])]
+    assert versus["stepwise"]["strict, iteration 2"] == expected(same_iteration)
+    nfe = {m: [{h["iteration"]: h["nfe"] for h in map(json.loads, (r / "metrics.jsonl").read_text().splitlines())
+                if "eval_overall" in h} for r in rs] for m, rs in runs.items()}
+    pairs = []
+    for r, f, mine, ref in zip(runs["stepwise"], runs["flow_grpo"], nfe["stepwise"], nfe["flow_grpo"]):
+        it = max([i for i in mine if 0 < i and mine[i] <= 1.1 * ref[2]] or [1])
+        ref_it = min((i for i in ref if i > 0), key=lambda i: abs(ref[i] - mine[it]))
+        pairs.append((scores(r, it), scores(f, ref_it)))
+    assert versus["stepwise"]["strict, ~equal nfe"] == expected(pairs)
+    assert "GenEval rule, iteration 2" in versus["stepwise"] and row["passes per iteration"].isdigit()
+
+
+def test_a_comparison_repeats_each_run_exactly_and_resumes_to_more_iterations(tiny_cache, tmp_path):
+    args = tiny_args(tiny_cache, tmp_path / "runs", compare_seeds="0,1", iterations=2, eval_every=1)
+    folder = fgc.compare(args)
+    alone = fgc.train(dataclasses.replace(args, seed=1, out=str(tmp_path / "alone")))
+    runs = sorted(run for run in folder.iterdir() if run.is_dir())
 
     def records(run):
-        return [json.loads(line) for line in (folder / run / "metrics.jsonl").read_text().splitlines()]
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
-    alone = fgc.train(dataclasses.replace(args, method="g2rpo", granularities="1", seed=1, workers=1,
-                                          out=str(tmp_path / "alone")))
-    assert strip_time(records(names[3])) == strip_time(alone)
-    assert [h["eval_pairs"] for h in alone if "eval_pairs" in h] == [12, 6, 12]
-    assert (fgc.by_category(torch.load(folder / names[0] / "scores_0000.pt")["strict"], [m["tag"] for m in
-            fgc.eval_prompts(2)])[0] == records(names[0])[0]["eval_strict"])
-    before = {run: records(run) for run in names}
-    more = fgc.compare(dataclasses.replace(args, iterations=3))
-    for run in names:
-        assert records(run)[: len(before[run])] == before[run] and records(run)[-1]["iteration"] == 3
-    gains = table_rows((more / "comparison.md").read_text())[0]
-    assert gains["flow_grpo"]["iterations"] == gains["g2rpo:granularities=1"]["iterations"] == "3"
+    before = {run.name: records(run) for run in runs}
+    assert strip_time(before[runs[1].name]) == strip_time(alone) and runs[1].name.startswith("flow_grpo-seed1")
+    assert fgc.main(["--resume", str(folder), "--iterations", "3"]) == 0
+    assert sorted(run for run in folder.iterdir() if run.is_dir()) == runs  # continued in place, none restarted
+    for run in runs:
+        after = records(run)
+        assert after[: len(before[run.name])] == before[run.name] and after[-1]["iteration"] == 3
+    assert "3 iterations" in (folder / "comparison.md").read_text()
+    assert fgc.main(["--resume", str(runs[0]), "--iterations", "4"]) == 0  # one run of it resumes alone
+    assert [records(run)[-1]["iteration"] for run in runs] == [4, 3]
+    assert not any(p.is_dir() for p in runs[0].iterdir() if p.name != "lora")
 
 
 # ----------------------------------------------------------------------------------------------------
