@@ -965,7 +965,8 @@ def test_parse_args_reads_every_flag_and_parse_ints_names_the_flag():
     assert fgc.parse_ints("1,2,3", "--granularities") == [1, 2, 3]
     assert fgc.parse_ints("0-2,5,7-7", "--compare-seeds") == [0, 1, 2, 5, 7]
     for bad in ("a", "3-1", "1-2-3", "1,"):
-        with pytest.raises(fgc.UsageError, match=re.escape(f"--compare-seeds must be integers like 0,1,2, got {bad!r}")):
+        message = f"--compare-seeds must be integers like 0,1,2, got {bad!r}"
+        with pytest.raises(fgc.UsageError, match=re.escape(message)):
             fgc.parse_ints(bad, "--compare-seeds", "0,1,2")
 
 
