@@ -1259,7 +1259,7 @@ def validate(args: Args) -> Args:
         raise UsageError(f"--method {args.method} with --sde {args.sde} and --steps {args.steps} has no step to train "
                          "(the last is never trained; g2rpo trains the first half); use more --steps")
     parse_chunks(args.chunks, int(trainable.sum()))
-    parse_ints(args.compare_seeds, "--compare-seeds", "0,1,2")
+    parse_ints(args.compare_seeds, "--compare-seeds", "0-11")
     resolve_device(args.device)
     return resolved(args)
 
@@ -1537,7 +1537,7 @@ def plot_curves(history: list[dict], path: Path, label: str) -> None:
 def compare(args: Args, folder: str | None = None) -> Path:
     """`--method all` (or a list a,b, or several --compare-seeds): every method with the same seeds, one run after
     another -> comparison.md and .png. `--resume` continues every run."""
-    seeds = parse_ints(args.compare_seeds, "--compare-seeds")
+    seeds = parse_ints(args.compare_seeds, "--compare-seeds", "0-11")
     methods = list(CREDIT_ASSIGNMENT) if args.method == "all" else args.method.split(",")
     folder = Path(folder) if folder else Path(args.out) / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
     runs = [validate(dataclasses.replace(args, method=m, seed=seed, compare_seeds=str(seed), out=str(folder)))
@@ -1725,7 +1725,7 @@ def main(argv=None) -> int:
             benchmark(args)
         elif args.spread:
             step_spread(args)
-        elif args.method not in CREDIT_ASSIGNMENT or len(parse_ints(args.compare_seeds, "--compare-seeds")) > 1:
+        elif args.method not in CREDIT_ASSIGNMENT or len(parse_ints(args.compare_seeds, "--compare-seeds", "0-11")) > 1:
             compare(args, resume)
         else:
             train(args, resume)
