@@ -33,9 +33,10 @@ Deviations from the papers and official codes, cited as "Deviation n" where the 
     2. KL is the exact KL of one transition, mean_d (mu - mu_ref)^2 / (2 s_k^2), s_k = sigma_t sqrt(dt_k), as TempFlow's
        code; Flow-GRPO's code divides by sigma_t^2, so equal penalties need beta = beta_FlowGRPO * dt_k.
     3. Advantages: the group's population std + 1e-4, as TempFlow's code (Flow-GRPO: the batch's; G2RPO, GCPO: n - 1).
-    4. The toy's optimiser, LoRA r 16: lr 1e-3 (G2RPO 3e-4), 8 AdamW steps an iteration, clip 1e-3, grad norm 1, a 1.0
-       (G2RPO 0.7), no KL. The codes, at a 0.7: Flow-GRPO LoRA, lr 3e-4, 2 steps an epoch, clip 1e-4; TempFlow so, beta
-       0.004; G2RPO full weights, lr 2e-6, a step per branch point, clip 1e-4; GCPO full, lr 1e-5, clip 5e-5, norm 0.01.
+    4. The toy's optimiser, LoRA r 16: lr 1e-3 (G2RPO 3e-4), constant (`--lr-schedule cosine`: to 0 over the run), 8
+       AdamW steps an iteration, clip 1e-3, grad norm 1, a 1.0 (G2RPO 0.7 under the flow SDE), no KL. The codes, all at
+       a constant lr and a 0.7: Flow-GRPO LoRA, lr 3e-4, 2 steps an epoch, clip 1e-4; TempFlow the same and beta 0.004;
+       G2RPO full weights, lr 2e-6, a step per branch point, clip 1e-4; GCPO full, lr 1e-5, clip 5e-5, norm 0.01.
     5. Under the ddim SDE the first step (t = 1) is deterministic, carries no log-prob and is not trained.
     6. Stepwise normalises the last step's gain with the others but, as every method here, never trains it.
     7. TempFlow trains `branch_steps` (3) random branch points (code: all 9), 8 children of 2 seeds (v3: 6 of 4).
@@ -43,7 +44,7 @@ Deviations from the papers and official codes, cited as "Deviation n" where the 
     9. Chunk's `--chunks auto` (default) is this project's heuristic: boundaries split the relative-L1 profile's total
        variation equally; `paper` scales v1's and GCPO code's [2,3,4,7] of 16 steps (GCPO's paper: the profile's slope
        signs, in no released code). All chunks train (code: 2 of 4, `--chunk-fraction 0.5`); the reward scores the
-       final state (code: x0_hat of the last step); each image has its own noise (code: one a GPU, 2 prompts x 12).
+       final state (code: x0_hat of the last step); each image has its own noise (code: one per GPU, 2 prompts x 12).
    10. The cps SDE keeps the full Gaussian log-density; the official code drops its constants and 1/(2s^2).
 """
 from __future__ import annotations
@@ -88,15 +89,16 @@ def generator(*parts) -> torch.Generator:
     """A CPU generator seeded from `parts`: its draws are the same whatever device they move to."""
     return torch.Generator().manual_seed(stable_seed(*parts))
 
-def parse_ints(text: str, flag: str, example: str = "1,2,3") -> list[int]:
-    """'0-2,5' -> [0, 1, 2, 5]: integers and inclusive ranges, comma-separated."""
+def parse_ints(text: str, flag: str, example: str = "1,2,3", seeds: bool = False) -> list[int]:
+    """'1,2,3' -> [1, 2, 3]. A set of `seeds` also takes inclusive ranges ('0-2,5' -> [0, 1, 2, 5]), no seed twice."""
     try:
-        bounds = [[int(b) for b in part.split("-")] for part in text.split(",")]
-        if any(len(b) > 2 or b[0] > b[-1] for b in bounds):
+        bounds = [[int(b) for b in (part.split("-") if seeds else [part])] for part in text.split(",")]
+        ints = [i for b in bounds for i in range(b[0], b[-1] + 1)]
+        if any(len(b) > 2 or b[0] > b[-1] for b in bounds) or (seeds and len(set(ints)) < len(ints)):
             raise ValueError
-        return [i for b in bounds for i in range(b[0], b[-1] + 1)]
+        return ints
     except ValueError:
-        raise UsageError(f"{flag} must be integers like {example}, got {text!r}") from None
+        raise UsageError(f"{flag} must be {'distinct ' * seeds}integers like {example}, got {text!r}") from None
 
 def segment_mean(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-id means of values (N,) -> (means (K,) in sorted id order, inverse (N,)); means[inverse] is each value's."""
@@ -174,12 +176,14 @@ class Args:
     device: str = "auto"  # auto, cpu or cuda
     pretrain: bool = False  # toy: pretrain the base model here (cached) instead of loading the shipped weights
     cache_dir: str = ""  # where --pretrain caches the toy model (default: $XDG_CACHE_HOME/flow_grpo_credit)
+    tune: bool = False  # evaluate on tuning prompts and noise, never the held-out set's: for choosing flags
 
     # GRPO and optimisation (Deviation 4)
     lr: float = 0.0  # AdamW learning rate of the LoRA parameters (0: the method's, 1e-3; g2rpo 3e-4)
     weight_decay: float = 1e-4  # AdamW weight decay
     max_grad_norm: float = 1.0  # global gradient-norm clip
     ema: float = 0.9  # decay of the adapter's moving average (one update an iteration), evaluated and saved; 0: off
+    lr_schedule: str = "constant"  # constant, or cosine: the lr decays to 0 over the run's iterations (Deviation 4)
     inner_updates: int = 8  # optimizer steps per iteration (the samples are split into this many minibatches)
     train_fraction: float = 1.0  # fraction of the transitions (chunks) trained on, drawn at random (DanceGRPO)
     clip_range: float = 1e-3  # PPO clip epsilon of the per-dimension ratio: exp(D eps), 2.2, on the toy's image
@@ -212,7 +216,6 @@ class Args:
     max_nonfinite: int = 3  # stop after this many iterations in a row with non-finite rewards, advantages or loss
     compare_seeds: str = "0"  # with --method all (or a list a,b): the seeds every method runs with, e.g. 0-11
     benchmark: int = 0  # time N iterations (after a warm-up one): seconds per phase, images per second, memory
-    spread: int = 0  # where the image is decided: N prompts a category, G children branching at each step (plot)
 
     @property
     def sde_level(self) -> float:
@@ -461,7 +464,7 @@ class ToyPolicy(Policy):
         return (n, 3, RES, RES)
 
     def time_grid(self, steps: int) -> torch.Tensor:
-        """SD3.5's grid, shift 3: six of ten steps above t = 0.7, where a 5 x 5 shape is decided (step_spread)."""
+        """SD3.5's grid, shift 3: six of ten steps above t = 0.7, where a 5 x 5 shape is decided (notebook 02)."""
         return time_grid(steps, shift=3.0)
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:
@@ -1019,7 +1022,8 @@ def g2rpo(ctx: Context):
             end = ctx.rollout(child_prompt, sde.states[:, -1], coarse, [False] * (len(coarse) - 1))
             r = ctx.reward(end.states[:, -1], child_prompt)
             adv += ctx.advantages(r, child_prompt)
-            rewards += [r] if lam == lams[0] else []  # the finest images are logged, as other methods' final images
+            if lam == lams[0]:  # the finest images are logged, as other methods' final images
+                rewards.append(r)
         parts.append(transitions_from(sde, child_prompt, adv[:, None], [True], first_step=k))
     return Transitions.cat(parts), torch.cat(rewards)
 
@@ -1219,14 +1223,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 CHOICES = {"method": CREDIT_ASSIGNMENT, "sde": SDE_LEVELS, "dtype": ("auto", "fp32", "bf16"),
-           "device": ("auto", "cpu", "cuda")}
+           "device": ("auto", "cpu", "cuda"), "lr_schedule": ("constant", "cosine")}
 RULES = {  # what a valid value of each flag is, and how to tell
     ">= 0 (0: the method's default)": (["iterations", "lr"], lambda v: v >= 0),
     ">= 2": (["group_size"], lambda v: v >= 2),
     ">= 3": (["steps"], lambda v: v >= 3),
     "> 0": (["clip_range", "max_grad_norm", "resolution"], lambda v: v > 0),
     ">= 0": (["micro_batch", "noise_level", "extra_penalty", "beta", "lora_rank", "lora_alpha", "branch_steps",
-              "benchmark", "spread"], lambda v: v >= 0),
+              "benchmark"], lambda v: v >= 0),
     ">= 1": (["prompts_per_iter", "eval_steps", "eval_every", "eval_per_tag", "curve_per_tag", "inner_updates",
               "tweedie_substeps", "seeds", "num_chunks", "pretrain_steps", "checkpoint_every", "max_nonfinite"],
              lambda v: v >= 1),
@@ -1234,7 +1238,6 @@ RULES = {  # what a valid value of each flag is, and how to tell
     "in [0, 1)": (["ema"], lambda v: 0 <= v < 1),
     "in [0, 1]": (["pretrain_detailed", "pretrain_unnamed"], lambda v: 0 <= v <= 1),
     "in (0, 1]": (["train_fraction", "chunk_fraction"], lambda v: 0 < v <= 1),
-    "positive integers like 1,2,3": (["granularities"], lambda v: min(parse_ints(v, "--granularities")) >= 1),
 }
 
 def validate(args: Args) -> Args:
@@ -1259,30 +1262,36 @@ def validate(args: Args) -> Args:
         raise UsageError(f"--method {args.method} with --sde {args.sde} and --steps {args.steps} has no step to train "
                          "(the last is never trained; g2rpo trains the first half); use more --steps")
     parse_chunks(args.chunks, int(trainable.sum()))
-    parse_ints(args.compare_seeds, "--compare-seeds", "0-11")
+    lams = parse_ints(args.granularities, "--granularities")
+    if min(lams) < 1 or len(set(lams)) < len(lams):  # a repeated lambda would count its advantage twice
+        raise UsageError(f"--granularities must be distinct positive integers like 1,2,3, got {args.granularities!r}")
+    parse_ints(args.compare_seeds, "--compare-seeds", "0-11", seeds=True)
     resolve_device(args.device)
     return resolved(args)
 
 def resolved(args: Args) -> Args:
     """`args` with the defaults that depend on other flags filled in: the method's (METHOD_DEFAULTS), micro-batches."""
-    method = {k: v for k, v in METHOD_DEFAULTS.get(args.method, {}).items() if not getattr(args, k)}
-    return dataclasses.replace(args, **method, micro_batch=args.micro_batch or (0 if args.model == "toy" else 4))
+    defaults = {k: v for k, v in METHOD_DEFAULTS.get(args.method, {}).items() if not getattr(args, k)
+                and (k != "noise_level" or args.sde == "flow")}  # a method's noise level is its flow SDE's a
+    return dataclasses.replace(args, **defaults, micro_batch=args.micro_batch or (0 if args.model == "toy" else 4))
 
 def prompt_sets(args: Args) -> tuple[list[dict] | None, list[dict]]:
     """(training, held-out) prompts: the toy generator (None) and toy-GenEval's, or --prompts, every 10th held out."""
     if not args.prompts:
-        return None, eval_prompts(args.eval_per_tag)
+        return None, eval_prompts(args.eval_per_tag, seed=4321 if args.tune else 1234)
     metas = [{"tag": "prompt", "prompt": p} for p in map(str.strip, Path(args.prompts).read_text().splitlines()) if p]
     if len(metas) < 2:
         raise UsageError(f"--prompts {args.prompts}: needs at least 2 prompts (one a line); it has {len(metas)}")
-    return [m for i, m in enumerate(metas) if i % 10], metas[::10]
+    return [m for i, m in enumerate(metas) if i % 10], metas[5::10] if args.tune else metas[::10]
 
 # What training and --benchmark both build before their first iteration; grid: the (S+1,) training time grid
-Setup = collections.namedtuple("Setup", "policy reward_fn params opt grid chunk_sizes train_pool eval_metas")
+Setup = collections.namedtuple("Setup", "policy reward_fn params opt lr_schedule grid chunk_sizes train_pool held_out")
 
 def setup(args: Args, dist: Dist) -> Setup:
-    """Model, reward, LoRA adapter (in DDP under torchrun), optimiser and training grid."""
+    """Model, reward, LoRA adapter (in DDP under torchrun), optimiser, its lr schedule and the training grid."""
+    from diffusers.optimization import get_scheduler
     from transformers import set_seed
+    args = resolved(args)  # the method's lr and iterations
     set_seed(args.seed)
     if dist.rank > 0:  # rank 0 loads first: it alone pretrains and caches the toy model if needed
         torch.distributed.barrier()
@@ -1297,7 +1306,8 @@ def setup(args: Args, dist: Dist) -> Setup:
         ids = [dist.device] if dist.device.type == "cuda" else None
         policy.denoiser = DistributedDataParallel(policy.net, device_ids=ids, broadcast_buffers=False)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    return Setup(policy, reward_fn, params, opt, grid, chunk_sizes, *prompt_sets(args))
+    lr_schedule = get_scheduler(args.lr_schedule, opt, num_warmup_steps=0, num_training_steps=args.iterations)
+    return Setup(policy, reward_fn, params, opt, lr_schedule, grid, chunk_sizes, *prompt_sets(args))
 
 def iteration_context(args: Args, parts: Setup, it: int, meter: Meter, dist: Dist = Dist()) -> Context:
     """Iteration `it`'s prompts, embeddings and generators; every draw follows from (seed, it)."""
@@ -1314,6 +1324,13 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
     folder, continues from its checkpoint. Under torchrun DDP averages gradients, rank 0 evaluates and writes."""
     from diffusers.training_utils import EMAModel
     args = validate(args)
+    if resume:  # the checkpoint fixes these: a run that said one thing and did another would mislead
+        saved = json.loads((Path(resume) / "args.json").read_text())  # what the run began with (parse_args checks it)
+        fixed = ["lr", "weight_decay", "ema", "lr_schedule"] + ["iterations"] * (args.lr_schedule == "cosine")
+        changed = [f for f in fixed if saved.get(f, getattr(args, f)) != getattr(args, f)]
+        if changed:
+            raise UsageError(f"--resume continues the run as it began: --{changed[0].replace('_', '-')} is "
+                             f"{saved[changed[0]]!r} there, not {getattr(args, changed[0])!r}; start a new run instead")
     dist = Dist.setup(resolve_device(args.device))
     if args.group_size % dist.world:
         raise UsageError(f"--group-size {args.group_size} must be a multiple of the {dist.world} ranks")
@@ -1333,6 +1350,7 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
     # these updates, Flow-GRPO's counts optimizer steps, so this one reaches 0.9 after 81 updates, that one after 10
     ema = EMAModel(parts.params, decay=args.ema)
     state = load_checkpoint(run, parts.policy, parts.opt, ema) if resume else {"iteration": 0, "meter": {}, "wall": 0.0}
+    parts.lr_schedule.load_state_dict(state.get("lr_schedule", parts.lr_schedule.state_dict()))
     meter, history, wall = Meter(**state["meter"]), state.get("history", []), state["wall"]
     start_it, bad_in_row = state["iteration"] + 1, 0
     if writer:
@@ -1347,11 +1365,11 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
     def run_eval(iteration: int) -> None:
         nfe = int(dist.reduce(meter.nfe))
         if writer:  # the other ranks go on and wait for rank 0 in the next collective
-            every = 1 if iteration in (0, args.iterations) else max(1, args.eval_per_tag // args.curve_per_tag)
+            pairs = None if iteration in (0, args.iterations) else curve_pairs(parts.held_out, args.curve_per_tag)
             with ema_applied(ema, parts.params):
-                metrics, images, metas, scores = evaluate(parts.policy, args, parts.reward_fn, parts.eval_metas, every)
+                metrics, images, metas, scores = evaluate(parts.policy, args, parts.reward_fn, parts.held_out, pairs)
             state["base_scores"] = state.get("base_scores") or scores  # the gains are paired with the first evaluation
-            base = {k: v[::every] for k, v in state["base_scores"].items()}  # the same pairs as this evaluation's
+            base = {k: v[scores["pair"]] for k, v in state["base_scores"].items()}  # the same pairs as this one's
             gains = paired_gains(scores, base, [m.get("tag", "prompt") for m in metas])
             record({"iteration": iteration, **metrics, **gains, "nfe": nfe, "wall_s": round(wall, 2),
                     "eval_pairs": len(metas)})
@@ -1387,13 +1405,18 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
         record({"iteration": it, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()), **stats,
                 "zero_std_frac": float(torch.cat(ctx.stats["zero_std"]).float().mean()),  # the same on all ranks
                 "transitions": int(dist.reduce(len(transitions))), "nfe": int(dist.reduce(meter.nfe)),
-                "reward_calls": int(dist.reduce(meter.reward_calls)), "wall_s": round(wall, 2), **per_step})
+                "reward_calls": int(dist.reduce(meter.reward_calls)), "lr": parts.lr_schedule.get_last_lr()[0],
+                "wall_s": round(wall, 2), **per_step})
+        with warnings.catch_warnings():  # torch warns if no optimizer step came first (flat groups); the lr moves on
+            warnings.simplefilter("ignore", UserWarning)
+            parts.lr_schedule.step()
         bar.set_postfix(reward=f"{history[-1]['reward_mean']:.3f}", kl=f"{history[-1].get('kl', 0):.2g}")
         if it % args.eval_every == 0 or it == args.iterations:
             run_eval(it)
         if (it % args.checkpoint_every == 0 or it == args.iterations) and not bad_in_row and writer:
             save_checkpoint(run, parts.policy, parts.opt, ema, {"iteration": it, "meter": dataclasses.asdict(meter),
-                            "wall": wall, "history": history, "base_scores": state["base_scores"]})
+                            "wall": wall, "history": history, "base_scores": state["base_scores"],
+                            "lr_schedule": parts.lr_schedule.state_dict()})
     log.close()
     if writer:
         with ema_applied(ema, parts.params):
@@ -1443,13 +1466,14 @@ def load_checkpoint(run: Path, policy, opt, ema) -> dict:
 # 10 Eval, comparison, benchmark, plots
 
 @torch.no_grad()
-def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None, every: int = 1):
-    """Deterministic (fixed prompts and noise, `eval_steps` ODE steps; every `every`-th pair) -> (metrics, images,
-    metas, per-image scores: the reward and, on toy, score_batch's). eval_overall: toy-GenEval (mean category
-    accuracy) or reward, ± eval_se."""
-    metas = metas or eval_prompts(args.eval_per_tag)
-    noise = initial_noise(policy, len(metas), generator("eval-noise"))[::every]  # (N / every, C, H, W)
-    grid, metas = policy.time_grid(args.eval_steps), metas[::every]
+def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None, pairs: list[int] | None = None):
+    """Deterministic (fixed prompts and noise, `eval_steps` ODE steps; the (prompt, noise) pairs numbered `pairs`, or
+    all) -> (metrics, images, metas, per-image scores: the reward, on toy score_batch's, and `pair`, each image's
+    number). eval_overall: toy-GenEval (mean category accuracy) or reward, ± eval_se."""
+    metas = metas or prompt_sets(args)[1]
+    pairs = torch.arange(len(metas)) if pairs is None else torch.as_tensor(pairs)  # (N,) sorted
+    noise = initial_noise(policy, len(metas), generator("tune-noise" if args.tune else "eval-noise"))[pairs]
+    grid, metas = policy.time_grid(args.eval_steps), [metas[i] for i in pairs.tolist()]
     images, rewards, reward_fn = [], [], reward_fn or build_reward(args, policy.device)
     cond = policy.encode([m["prompt"] for m in metas], device="cpu")  # the text encoders' one use, kept on the CPU
     for part in torch.arange(len(metas)).split(args.micro_batch or len(metas)):
@@ -1461,15 +1485,22 @@ def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None
         rewards.append(reward_fn(image, [metas[i] for i in part.tolist()]).float().cpu())
         images.append(image.cpu())  # only the part being scored stays on the device
     images, rewards, tags = torch.cat(images), torch.cat(rewards), [m.get("tag", "prompt") for m in metas]
+    scores = {"reward": rewards, "pair": pairs}
     if args.model != "toy":
         mean, se = by_category(rewards, tags)
-        return {"eval_overall": mean, "eval_se": se, "eval_reward": mean}, images, metas, {"reward": rewards}
-    scores = score_batch(images, metas)
+        return {"eval_overall": mean, "eval_se": se, "eval_reward": mean}, images, metas, scores
+    scores |= score_batch(images, metas)
     (overall, se), (strict, _) = by_category(scores["geneval"], tags), by_category(scores["strict"], tags)
     accuracy = {f"eval_{tag}": by_category(scores["geneval"], tags, tag)[0] for tag in TAGS if tag in tags}
     return {"eval_overall": overall, "eval_se": se, "eval_strict": strict,
             "eval_extra": float((scores["extra"] > 0).float().mean()), **accuracy,
-            "eval_reward": float(rewards.mean())}, images, metas, scores | {"reward": rewards}
+            "eval_reward": float(rewards.mean())}, images, metas, scores
+
+def curve_pairs(metas: list[dict], per_tag: int) -> list[int]:
+    """The held-out pairs a curve point scores: every k-th of each category, k = the category's size // per_tag."""
+    tags = [m.get("tag", "prompt") for m in metas]
+    of_tag = {tag: [i for i, t in enumerate(tags) if t == tag] for tag in dict.fromkeys(tags)}
+    return sorted(i for pairs in of_tag.values() for i in pairs[:: max(1, len(pairs) // per_tag)])
 
 def by_category(values: torch.Tensor, tags: list[str], only: str | None = None) -> tuple[float, float]:
     """Per-image values (N,) -> (mean of the category means as toy-GenEval, s.e. sqrt(sum_c var_c / n_c) / C); `only`
@@ -1537,7 +1568,7 @@ def plot_curves(history: list[dict], path: Path, label: str) -> None:
 def compare(args: Args, folder: str | None = None) -> Path:
     """`--method all` (or a list a,b, or several --compare-seeds): every method with the same seeds, one run after
     another -> comparison.md and .png. `--resume` continues every run."""
-    seeds = parse_ints(args.compare_seeds, "--compare-seeds", "0-11")
+    seeds = parse_ints(args.compare_seeds, "--compare-seeds", "0-11", seeds=True)
     methods = list(CREDIT_ASSIGNMENT) if args.method == "all" else args.method.split(",")
     folder = Path(folder) if folder else Path(args.out) / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
     runs = [validate(dataclasses.replace(args, method=m, seed=seed, compare_seeds=str(seed), out=str(folder)))
@@ -1568,10 +1599,11 @@ def comparison_table(evals: dict, seeds: list[int], args: Args, tags: list[str])
     rules = {"strict": "strict", "GenEval rule": "geneval"} if toy else {"reward": "reward"}
 
     def difference(pairs: list[tuple[dict, dict]], key: str) -> str:  # (evaluation, the one it is paired with) a seed
-        n = min(len(e["scores"][key]) for pair in pairs for e in pair)  # a curve's evaluation scores every k-th pair
-        diffs = [a["scores"][key][:: len(a["scores"][key]) // n] - b["scores"][key][:: len(b["scores"][key]) // n]
-                 for a, b in pairs]  # a seed's per-image differences, on the pairs both scored
-        tags_n = tags[:: len(tags) // n]
+        scored = [set(e["scores"]["pair"].tolist()) for pair in pairs for e in pair]  # a curve point scores a subset
+        common = torch.tensor(sorted(set.intersection(*scored)))  # (n,) the held-out pairs every evaluation scored
+        diffs = [a["scores"][key][torch.isin(a["scores"]["pair"], common)]
+                 - b["scores"][key][torch.isin(b["scores"]["pair"], common)] for a, b in pairs]  # per seed, (n,)
+        tags_n = [tags[i] for i in common.tolist()]
         per_seed = [by_category(d, tags_n) for d in diffs]  # (mean, s.e. over prompts) a seed
         d = [mean for mean, _ in per_seed]
         seeds_se = np.std(d, ddof=1) / math.sqrt(len(d)) if len(d) > 1 else 0.0
@@ -1625,28 +1657,6 @@ def plot_comparison(evals: dict, path: Path) -> None:
     panels = [(x, "eval_overall") for x in ("iteration", "nfe")] + [("iteration", k) for k in keys[1:]]
     line_plots([(names.get(x, x), names[y], {label: (mean(runs, x), mean(runs, y)) for label, runs in evals.items()})
                 for x, y in panels], path)
-
-def step_spread(args: Args) -> dict:
-    """Which steps decide the image (TempFlow's and G2RPO's premise), by TempFlow's branching with one seed at every
-    step: from the ODE path of `spread` prompts a category, G children take one SDE step at step k and the ODE to
-    t = 0; the std of their rewards per category and step, and each share of their sum -> --out/step_spread.png."""
-    args, device = dataclasses.replace(validate(args), seeds=1, branch_steps=0), resolve_device(args.device)
-    policy, reward_fn = load_policy(args, device), build_reward(args, device)
-    metas = eval_prompts(args.spread, seed=99) if args.model == "toy" else prompt_sets(args)[1][: args.spread]
-    ctx = Context(policy, args, Meter(), generator(args.seed, "spread"), metas,
-                  policy.encode([m["prompt"] for m in metas]), policy.time_grid(args.steps), reward_fn)
-    transitions, r = tempflow(ctx)  # r: (K*B*G,) the children's rewards, step by step
-    ks, tags = transitions.step.unique().tolist(), [m.get("tag", "prompt") for m in metas]
-    spread = r.view(len(ks), len(metas), args.group_size).float().std(2).cpu()  # (K, B)
-    result = {"t": ctx.grid[ks].tolist(), "share": dict(zip(ks, (spread.mean(1) / spread.mean(1).sum()).tolist())),
-              **{tag: {k: by_category(v, tags, tag)[0] for k, v in zip(ks, spread)} for tag in dict.fromkeys(tags)}}
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    line_plots([("step k (its time t_k falls from 1)", "std of the final reward among children",
-                 {tag: (ks, list(result[tag].values())) for tag in dict.fromkeys(tags)}),
-                ("step k", "share of the spread summed over steps", {"all": (ks, list(result["share"].values()))})],
-               Path(args.out) / "step_spread.png")
-    print("\n".join(f"step {k} (t = {t:.2f}): share {result['share'][k]:.1%}" for k, t in zip(ks, result["t"])))
-    return result
 
 def benchmark(args: Args) -> dict:
     """Seconds per phase of `args.benchmark` iterations after an untimed warm-up, images/s, peak memory; no files."""
@@ -1721,11 +1731,10 @@ def parse_args(argv=None) -> tuple[Args, str | None]:
 def main(argv=None) -> int:
     try:
         args, resume = parse_args(argv)
+        seeds = parse_ints(args.compare_seeds, "--compare-seeds", "0-11", seeds=True)
         if args.benchmark and not resume:
             benchmark(args)
-        elif args.spread:
-            step_spread(args)
-        elif args.method not in CREDIT_ASSIGNMENT or len(parse_ints(args.compare_seeds, "--compare-seeds", "0-11")) > 1:
+        elif args.method not in CREDIT_ASSIGNMENT or len(seeds) > 1:
             compare(args, resume)
         else:
             train(args, resume)

@@ -871,6 +871,10 @@ def test_every_flag_is_an_args_field_whose_comment_is_its_help(capsys, monkeypat
     (["--steps", "three"], "--steps: invalid int value: 'three'"),
     (["--method", "chunk", "--chunks", "2,2"], "summing to the 9 trained steps"),
     (["--method", "g2rpo", "--granularities", "1,0"], "--granularities"),
+    (["--method", "g2rpo", "--granularities", "1,1,2"], "--granularities must be distinct positive integers"),
+    (["--method", "chunk", "--chunks", "2-4"], "--chunks must be integers like 2,3,4"),
+    (["--method", "all", "--compare-seeds", "0-2,1"], "--compare-seeds must be distinct integers like 0-11"),
+    (["--lr-schedule", "linear"], "choose one of constant, cosine"),
     (["--method", "g2rpo", "--sde", "ddim", "--steps", "3"], "has no step to train"),
     (["--sde", "euler"], "flow, ddim, cps"),
     (["--sde", "cps", "--noise-level", "1.5"], "--noise-level of the cps SDE must be in (0, 1]"),
@@ -954,6 +958,19 @@ def test_every_method_has_a_default_run_length_and_lr_and_a_flag_given_keeps_its
         assert args.sde_level == (0.7 if method == "g2rpo" else 1.0)
     given = fgc.validate(fgc.Args(method="g2rpo", lr=1e-3, noise_level=1.0, iterations=3))
     assert (given.lr, given.sde_level, given.iterations) == (1e-3, 1.0, 3)
+    for sde, level in fgc.SDE_LEVELS.items():  # G2RPO's 0.7 is its flow SDE's a; ddim and cps keep their own eta
+        assert fgc.validate(fgc.Args(method="g2rpo", sde=sde)).sde_level == (0.7 if sde == "flow" else level)
+
+
+def test_setup_resolves_the_method_s_lr_and_schedule_length_itself():
+    """setup(Args()) called directly (as a notebook may) gets the method's lr, not the 0 that means "the method's";
+    its cosine schedule spans the method's iterations."""
+    parts = fgc.setup(fgc.Args(lr_schedule="cosine"), fgc.Dist())
+    assert parts.opt.param_groups[0]["lr"] == fgc.METHOD_DEFAULTS["flow_grpo"]["lr"] > 0
+    for _ in range(fgc.METHOD_DEFAULTS["flow_grpo"]["iterations"]):
+        assert parts.opt.param_groups[0]["lr"] > 0
+        parts.lr_schedule.step()
+    assert parts.opt.param_groups[0]["lr"] == 0
 
 
 def test_parse_args_reads_every_flag_and_parse_ints_names_the_flag():
@@ -962,12 +979,14 @@ def test_parse_args_reads_every_flag_and_parse_ints_names_the_flag():
     args, resume = fgc.parse_args(["--sde", "cps", "--micro-batch", "3", "--extra-penalty", "0.25", "--low-memory"])
     expected = dataclasses.replace(fgc.Args(), sde="cps", micro_batch=3, extra_penalty=0.25, low_memory=True)
     assert args == expected and resume is None and fgc.parse_args([])[0] == fgc.Args()
-    assert fgc.parse_ints("1,2,3", "--granularities") == [1, 2, 3]
-    assert fgc.parse_ints("0-2,5,7-7", "--compare-seeds") == [0, 1, 2, 5, 7]
-    for bad in ("a", "3-1", "1-2-3", "1,"):
-        message = f"--compare-seeds must be integers like 0,1,2, got {bad!r}"
+    assert fgc.parse_ints("1,2,3", "--granularities") == [1, 2, 3] == fgc.parse_ints("1,2,3", "--s", seeds=True)
+    assert fgc.parse_ints("0-2,5,7-7", "--compare-seeds", seeds=True) == [0, 1, 2, 5, 7]
+    for bad in ("a", "3-1", "1-2-3", "1,", "0-2,2"):
+        message = f"--compare-seeds must be distinct integers like 0-11, got {bad!r}"
         with pytest.raises(fgc.UsageError, match=re.escape(message)):
-            fgc.parse_ints(bad, "--compare-seeds", "0,1,2")
+            fgc.parse_ints(bad, "--compare-seeds", "0-11", seeds=True)
+    with pytest.raises(fgc.UsageError, match=re.escape("--chunks must be integers like 2,3,4, got '2-4'")):
+        fgc.parse_ints("2-4", "--chunks", "2,3,4")  # ranges only where a flag means a set of seeds
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1010,21 +1029,31 @@ def strip_time(history):
     return [{k: v for k, v in h.items() if k != "wall_s"} for h in history]
 
 
-def test_the_curves_evaluations_score_every_kth_held_out_pair_paired_with_the_base_and_the_end_scores_all(
+def test_the_curves_evaluations_score_every_kth_pair_of_each_category_paired_with_the_base_and_the_end_scores_all(
         tiny_cache, tmp_path):
-    """With 2 prompts a category and curve_per_tag 1, iteration 1 scores every other pair (6 of 12) with their
-    own noise, its gain paired with the base's scores of the same pairs; the start and the end score all 12."""
-    history = fgc.train(tiny_args(tiny_cache, tmp_path, iterations=2, eval_every=1, eval_per_tag=2, curve_per_tag=1))
+    """With 5 prompts a category and curve_per_tag 2 (k = 2), iteration 1 scores pairs 0, 2 and 4 of each category
+    (18 of 30) with their own noise, its gain paired with the base's scores of the same pairs; the start and the end
+    score all 30. k follows each category's real size: 50 prompts of one kind at curve_per_tag 32 are all scored.
+    --tune evaluates other prompts with other noise."""
+    history = fgc.train(tiny_args(tiny_cache, tmp_path, iterations=2, eval_every=1, eval_per_tag=5, curve_per_tag=2))
     run, evals = next(tmp_path.iterdir()), [h for h in history if "eval_pairs" in h]
-    assert [h["eval_pairs"] for h in evals] == [12, 6, 12]
-    base, mid = (torch.load(run / f"scores_{i:04d}.pt")["strict"] for i in (0, 1))
-    tags = [m["tag"] for m in fgc.eval_prompts(2)]
-    assert evals[1]["gain_strict"] == pytest.approx(fgc.by_category(mid - base[::2], tags[::2])[0])
+    assert [h["eval_pairs"] for h in evals] == [30, 18, 30]
+    base, mid = (torch.load(run / f"scores_{i:04d}.pt") for i in (0, 1))
+    chosen = [category * 5 + j for category in range(6) for j in (0, 2, 4)]
+    assert mid["pair"].tolist() == chosen and base["pair"].tolist() == list(range(30))
+    tags = [fgc.eval_prompts(5)[i]["tag"] for i in chosen]
+    assert evals[1]["gain_strict"] == pytest.approx(fgc.by_category(mid["strict"] - base["strict"][chosen], tags)[0])
     policy = fgc.load_toy(fgc.validate(tiny_args(tiny_cache, tmp_path)), torch.device("cpu"))
-    _, _, metas, scores = fgc.evaluate(policy, fgc.Args(eval_per_tag=2, eval_steps=2), metas=None, every=2)
-    every_pair = fgc.evaluate(policy, fgc.Args(eval_per_tag=2, eval_steps=2))[3]
-    assert [m["prompt"] for m in metas] == [m["prompt"] for m in fgc.eval_prompts(2)[::2]]
-    assert torch.equal(scores["reward"], every_pair["reward"][::2])  # the same pairs: the same noise
+    _, _, metas, scores = fgc.evaluate(policy, fgc.Args(eval_per_tag=2, eval_steps=2), pairs=[0, 2, 5])
+    _, images, _, every_pair = fgc.evaluate(policy, fgc.Args(eval_per_tag=2, eval_steps=2))
+    assert [m["prompt"] for m in metas] == [fgc.eval_prompts(2)[i]["prompt"] for i in (0, 2, 5)]
+    assert torch.equal(scores["reward"], every_pair["reward"][[0, 2, 5]])  # the same pairs: the same noise
+    held_out = [{"tag": "prompt", "prompt": f"p{i}"} for i in range(50)]
+    assert fgc.curve_pairs(held_out, 32) == list(range(50)) and fgc.curve_pairs(held_out, 10) == list(range(0, 50, 5))
+    assert fgc.curve_pairs(fgc.eval_prompts(256), 32) == list(range(0, 1536, 8))  # the default: every 8th pair
+    tune = fgc.Args(eval_per_tag=2, eval_steps=2, tune=True)
+    assert [m["prompt"] for m in fgc.evaluate(policy, tune)[2]] != [m["prompt"] for m in fgc.eval_prompts(2)]
+    assert not torch.equal(fgc.evaluate(policy, tune, metas=fgc.eval_prompts(2))[1], images)  # other noise
 
 
 def test_same_seed_gives_the_same_metrics(tiny_cache, tmp_path):
@@ -1035,10 +1064,15 @@ def test_same_seed_gives_the_same_metrics(tiny_cache, tmp_path):
     assert strip_time(a) != strip_time(c)
 
 
-def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_cache, tmp_path, monkeypatch):
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_cache, tmp_path, monkeypatch, schedule):
     """A run killed in iteration 3 and resumed from its checkpoint (a weights-only load) ends with the
-    metrics, adapter and moving average of the run that was never stopped."""
-    full = fgc.train(tiny_args(tiny_cache, tmp_path / "full", iterations=4))
+    metrics, adapter, moving average and lr of the run that was never stopped. Under cosine the lr of
+    iteration i of N is lr (1 + cos(pi (i - 1) / N)) / 2, and after the last iteration it is 0."""
+    full = fgc.train(tiny_args(tiny_cache, tmp_path / "full", iterations=4, lr_schedule=schedule))
+    lr = fgc.METHOD_DEFAULTS["flow_grpo"]["lr"]
+    cosine = [lr * (1 + math.cos(math.pi * (i - 1) / 4)) / 2 for i in range(1, 5)]
+    assert [h["lr"] for h in full if "lr" in h] == pytest.approx(cosine if schedule == "cosine" else [lr] * 4)
     calls = {"n": 0}
     real = fgc.CREDIT_ASSIGNMENT["flow_grpo"]
 
@@ -1050,7 +1084,7 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_cache, tmp_pat
 
     monkeypatch.setitem(fgc.CREDIT_ASSIGNMENT, "flow_grpo", dies_in_iteration_3)
     with pytest.raises(KeyboardInterrupt):
-        fgc.train(tiny_args(tiny_cache, tmp_path / "killed", iterations=4))
+        fgc.train(tiny_args(tiny_cache, tmp_path / "killed", iterations=4, lr_schedule=schedule))
     monkeypatch.setitem(fgc.CREDIT_ASSIGNMENT, "flow_grpo", real)
     run = next((tmp_path / "killed").iterdir())
     assert torch.load(run / "checkpoint.pt", weights_only=True)["iteration"] == 2
@@ -1067,6 +1101,29 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_cache, tmp_pat
     assert all(torch.equal(x, y) for x, y in shadows)
     stepped = sum(1 for h in full if h.get("trained"))  # iterations that took optimizer steps
     assert a["ema"]["optimization_step"] == b["ema"]["optimization_step"] == stepped > 0
+    end_lr = [c["optimizer"]["param_groups"][0]["lr"] for c in (a, b)]
+    assert end_lr == [0.0, 0.0] if schedule == "cosine" else end_lr == [lr, lr]
+    assert a["lr_schedule"] == b["lr_schedule"]
+
+
+def test_a_resume_refuses_the_flags_its_checkpoint_fixes(tiny_run, tiny_cache, tmp_path, capsys):
+    """The optimizer and the moving average come back from the checkpoint with their lr, weight decay and
+    decay: --resume with other values is a one-line error, and the run folder says what the run does. A
+    longer run is fine under a constant lr; under cosine the decay spans the run's iterations."""
+    args, run, _ = tiny_run
+    before = (run / "args.json").read_text()
+    for flag, value in [("--lr", "0.5"), ("--weight-decay", "0.1"), ("--ema", "0.5"), ("--lr-schedule", "cosine")]:
+        assert fgc.main(["--resume", str(run), flag, value]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and f"{flag} is" in err and "start a new run" in err
+    assert (run / "args.json").read_text() == before
+    saved = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert saved["optimizer"]["param_groups"][0]["lr"] == json.loads(before)["lr"] == args.lr
+    cosine = fgc.train(tiny_args(tiny_cache, tmp_path, iterations=1, lr_schedule="cosine"))
+    folder = next(tmp_path.iterdir())
+    with pytest.raises(fgc.UsageError, match="--iterations is 1 there, not 2"):
+        fgc.train(dataclasses.replace(fgc.parse_args(["--resume", str(folder)])[0], iterations=2), str(folder))
+    assert [h["lr"] for h in cosine if "lr" in h] == [fgc.METHOD_DEFAULTS["flow_grpo"]["lr"]]
 
 
 def test_chunk_boundaries_come_from_the_base_model_also_when_a_run_resumes(tiny_cache, tmp_path, monkeypatch):
@@ -1711,19 +1768,6 @@ def test_the_shipped_base_model_loads_by_default_and_scores_as_the_readme_states
     assert scores["strict"][scores["extra"] == 0].mean() >= 0.5
 
 
-def test_step_spread_measures_each_steps_share_of_the_reward_spread(tiny_cache, tmp_path, monkeypatch):
-    """From one ODE path, children that take one SDE step at k and the ODE afterwards: their rewards (here a
-    smooth one, the mean pixel) spread at every trained step, the shares add up to 1, and with (almost) no noise
-    the children agree."""
-    monkeypatch.setattr(fgc, "toy_strict_reward", lambda images, metas, penalty: images.mean((1, 2, 3)))
-    args = tiny_args(tiny_cache, tmp_path, spread=2, group_size=4)
-    result = fgc.step_spread(args)
-    assert sum(result["share"].values()) == pytest.approx(1) and (tmp_path / "step_spread.png").exists()
-    assert set(result) == {"t", "share", *fgc.TAGS} and all(v > 0 for v in result["single_object"].values())
-    quiet = fgc.step_spread(dataclasses.replace(args, noise_level=1e-6))
-    assert max(v for tag in fgc.TAGS for v in quiet[tag].values()) < 1e-3
-
-
 def test_a_short_grpo_run_raises_the_reward_of_its_prompts():
     """Flow-GRPO for 12 iterations on two prompts raises their deterministic (ODE, fixed-noise) reward:
     the whole pipeline learns, measured, not just runs. The reward is a smooth one, how red the image
@@ -1769,9 +1813,10 @@ def table_rows(table: str) -> list[dict]:
 def test_a_comparison_states_each_method_against_flow_grpo_as_paired_differences_with_intervals(tiny_cache, tmp_path):
     """comparison.md: each method's gain over its base, then its difference from Flow-GRPO of the same seed at
     equal iterations and at about equal nfe, computed from the per-image scores every evaluation saves: each
-    seed's paired difference ± its standard error over prompts, and the mean with Student's 95% interval."""
-    args = tiny_args(tiny_cache, tmp_path, method="flow_grpo,stepwise", iterations=2, eval_every=1,
-                     compare_seeds="0,1", tweedie_substeps=1)  # two methods keep the suite short; `all` runs five
+    seed's paired difference ± its standard error over prompts, and the mean with Student's 95% interval. A curve
+    point (iteration 1: 3 of each category's 9 pairs) is paired with a full evaluation on the pairs both scored."""
+    args = tiny_args(tiny_cache, tmp_path, method="flow_grpo,stepwise", iterations=2, eval_every=1, eval_per_tag=9,
+                     curve_per_tag=2, compare_seeds="0,1", tweedie_substeps=1)  # two methods; `all` runs five
     folder = fgc.compare(args)
     gains, versus = table_rows((folder / "comparison.md").read_text())
     assert set(gains) == {"flow_grpo", "stepwise"} and set(versus) == {"stepwise"}
@@ -1779,14 +1824,18 @@ def test_a_comparison_states_each_method_against_flow_grpo_as_paired_differences
     tags = [m["tag"] for m in fgc.eval_prompts(args.eval_per_tag)]
     runs = {m: [sorted(folder.glob(f"{m}-seed{seed}-*"))[0] for seed in (0, 1)] for m in ("flow_grpo", "stepwise")}
 
-    def scores(run, iteration):
-        return torch.load(run / f"scores_{iteration:04d}.pt")["strict"]
+    def scores(run, iteration):  # {held-out pair number: strict score}
+        saved = torch.load(run / f"scores_{iteration:04d}.pt")
+        return dict(zip(saved["pair"].tolist(), saved["strict"].tolist()))
 
     def expected(pairs):  # [(scores, scores it is paired with)] per seed -> the cell
-        diffs = [fgc.by_category(a - b, tags) for a, b in pairs]
+        common = sorted(set.intersection(*(set(x) for pair in pairs for x in pair)))
+        on = [tags[i] for i in common]
+        differences = [torch.tensor([a[i] - b[i] for i in common]) for a, b in pairs]
+        diffs = [fgc.by_category(d, on) for d in differences]
         d = [mean for mean, _ in diffs]
         over_seeds = 12.71 * np.std(d, ddof=1) / math.sqrt(2)  # Student's t of 1 degree of freedom
-        over_prompts = 1.96 * fgc.by_category(sum(a - b for a, b in pairs) / 2, tags)[1]  # the seeds' mean
+        over_prompts = 1.96 * fgc.by_category(sum(differences) / 2, on)[1]  # the seeds' mean
         half = math.sqrt(over_seeds**2 + over_prompts**2)
         seeds = ", ".join(f"{mean:+.3f} ± {se:.3f}" for mean, se in diffs)
         return f"**{np.mean(d):+.3f}** [{np.mean(d) - half:+.3f}, {np.mean(d) + half:+.3f}] ({seeds})"
