@@ -2000,3 +2000,17 @@ def test_notebooks_are_committed_executed_and_small():
         assert all(c.execution_count for c in code), f"{name}: commit it executed, so that GitHub shows the outputs"
         assert any("image/png" in o.get("data", {}) for c in code for o in c.outputs)
         assert path.stat().st_size < 1.5e6
+
+
+def test_notebook_02_runs_each_method_of_its_batch_with_the_method_s_own_defaults():
+    """The side-by-side batch resolves each method's flags (METHOD_DEFAULTS): its committed table shows G2RPO
+    sampling at its noise level 0.7 and the others at 1.0, as a run of each method would."""
+    import nbformat
+
+    cells = nbformat.read(HERE / "notebooks" / "02_credit_assignment_side_by_side.ipynb", as_version=4).cells
+    printed = ["".join(o.get("text", "") for o in c.outputs) for c in cells if c.cell_type == "code"]
+    table = next(text for text in printed if "noise level a" in text)
+    rows = [line.split() for line in table.splitlines() if line.split()[:1] and line.split()[0] in fgc.CREDIT_ASSIGNMENT]
+    levels = {row[0]: float(row[1]) for row in rows}
+    assert levels == {m: fgc.validate(fgc.Args(method=m)).sde_level for m in fgc.CREDIT_ASSIGNMENT}
+    assert levels["g2rpo"] == 0.7
