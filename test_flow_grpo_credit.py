@@ -260,7 +260,8 @@ def test_evaluate_reports_geneval_strict_and_extra_rates_per_category():
     metrics, *_ = fgc.evaluate(policy, dataclasses.replace(args, micro_batch=5), fgc.toy_reward, metas)
     assert policy.encoded == len(metas), "in micro-batches, every prompt once"
     assert metrics["eval_reward"] == pytest.approx(float(fgc.toy_reward(images, metas).mean()))
-    assert set(scores) == {"geneval", "dense", "strict", "extra", "missing", "reward"}
+    assert set(scores) == {"geneval", "dense", "strict", "extra", "missing", "reward", "pair"}
+    assert scores["pair"].tolist() == list(range(len(metas)))  # each image's number in the held-out set
     two = [i for i, m in enumerate(metas) if m["tag"] in ("counting", "position")]  # any subset of the categories
     sub = GroundTruthPolicy([metas[i] for i in two], images[two] * 2 - 1)
     metrics, *_ = fgc.evaluate(sub, args, metas=[metas[i] for i in two])
