@@ -1030,7 +1030,7 @@ def g2rpo(ctx: Context):
 def chunk(ctx: Context):
     """Chunk-GRPO (arXiv 2510.21583: v1 Eqs. 14-16; v2 "GCPO", ICML 2026; code xingzhejun/GCPO@ea6cc4d, v1's method).
 
-    Sampling and advantage as flow_grpo, independent noises included (GCPO's code shares one a GPU: Deviation 9);
+    Sampling and advantage as flow_grpo, independent noises included (GCPO's code shares one per GPU: Deviation 9);
     consecutive trained steps form chunks of one importance ratio each; a fraction may be trained, drawn by mean
     relative L1:  ratio_j = exp( mean_{k in chunk j} (log pi_theta - log pi_old) ).
     Differs from flow_grpo by: chunk ids that make the shared loss use chunk-level ratios."""
