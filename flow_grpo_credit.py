@@ -1244,7 +1244,7 @@ def validate(args: Args) -> Args:
     """Every bad input becomes one UsageError naming the flag and what is valid; -> `resolved(args)`."""
     for name, options in CHOICES.items():
         if getattr(args, name) not in options:
-            raise UsageError(f"unknown --{name} {getattr(args, name)!r}; choose one of {', '.join(options)}")
+            raise UsageError(f"unknown --{name.replace('_', '-')} {getattr(args, name)!r}; choose {', '.join(options)}")
     for valid, (names, ok) in RULES.items():
         for name in names:
             if not ok(getattr(args, name)):

@@ -875,7 +875,7 @@ def test_every_flag_is_an_args_field_whose_comment_is_its_help(capsys, monkeypat
     (["--method", "g2rpo", "--granularities", "1,1,2"], "--granularities must be distinct positive integers"),
     (["--method", "chunk", "--chunks", "2-4"], "--chunks must be integers like 2,3,4"),
     (["--method", "all", "--compare-seeds", "0-2,1"], "--compare-seeds must be distinct integers like 0-11"),
-    (["--lr-schedule", "linear"], "choose one of constant, cosine"),
+    (["--lr-schedule", "linear"], "unknown --lr-schedule 'linear'; choose constant, cosine"),
     (["--method", "g2rpo", "--sde", "ddim", "--steps", "3"], "has no step to train"),
     (["--sde", "euler"], "flow, ddim, cps"),
     (["--sde", "cps", "--noise-level", "1.5"], "--noise-level of the cps SDE must be in (0, 1]"),
