@@ -963,7 +963,7 @@ def test_every_method_has_a_default_run_length_and_lr_and_a_flag_given_keeps_its
         assert fgc.validate(fgc.Args(method="g2rpo", sde=sde)).sde_level == (0.7 if sde == "flow" else level)
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()`")  # no optimizer step here: none is due
+@pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")  # no optimizer step here: none is due
 def test_setup_resolves_the_method_s_lr_and_schedule_length_itself():
     """setup(Args()) called directly (as a notebook may) gets the method's lr, not the 0 that means "the method's";
     its cosine schedule spans the method's iterations."""
