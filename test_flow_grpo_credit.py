@@ -2012,7 +2012,7 @@ def test_notebook_02_runs_each_method_of_its_batch_with_the_method_s_own_default
     cells = nbformat.read(HERE / "notebooks" / "02_credit_assignment_side_by_side.ipynb", as_version=4).cells
     printed = ["".join(o.get("text", "") for o in c.outputs) for c in cells if c.cell_type == "code"]
     table = next(text for text in printed if "noise level a" in text)
-    rows = [line.split() for line in table.splitlines() if line.split()[:1] and line.split()[0] in fgc.CREDIT_ASSIGNMENT]
-    levels = {row[0]: float(row[1]) for row in rows}
+    rows = [line.split() for line in table.splitlines()]
+    levels = {row[0]: float(row[1]) for row in rows if row and row[0] in fgc.CREDIT_ASSIGNMENT}
     assert levels == {m: fgc.validate(fgc.Args(method=m)).sde_level for m in fgc.CREDIT_ASSIGNMENT}
     assert levels["g2rpo"] == 0.7
