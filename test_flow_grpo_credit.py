@@ -2016,3 +2016,13 @@ def test_notebook_02_runs_each_method_of_its_batch_with_the_method_s_own_default
     levels = {row[0]: float(row[1]) for row in rows if row and row[0] in fgc.CREDIT_ASSIGNMENT}
     assert levels == {m: fgc.validate(fgc.Args(method=m)).sde_level for m in fgc.CREDIT_ASSIGNMENT}
     assert levels["g2rpo"] == 0.7
+
+
+def test_tune_holds_out_other_lines_of_a_prompts_file_than_the_held_out_set(tmp_path):
+    """With --prompts, the held-out set is every 10th line from the first and --tune's every 10th from the 6th:
+    the two never share a line, and both come from the same file."""
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(f"prompt {i}" for i in range(40)))
+    held_out = [m["prompt"] for m in fgc.prompt_sets(fgc.Args(prompts=str(path)))[1]]
+    tuning = [m["prompt"] for m in fgc.prompt_sets(fgc.Args(prompts=str(path), tune=True))[1]]
+    assert held_out == [f"prompt {i}" for i in (0, 10, 20, 30)] and tuning == [f"prompt {i}" for i in (5, 15, 25, 35)]
