@@ -60,10 +60,12 @@ import math
 import os
 import random
 import re
+import resource
 import sys
 import textwrap
 import time
 import warnings
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -153,7 +155,7 @@ SDE_LEVELS = {"flow": 1.0, "ddim": 1.0, "cps": 0.8}  # each SDE and its default 
 class Args:
     """Every tunable number of a run. The comment after each field is its --help text."""
 
-    method: str = "flow_grpo"  # flow_grpo, stepwise, tempflow, g2rpo, chunk; all, or a list a,b, compares them
+    method: str = "flow_grpo"  # flow_grpo, stepwise, tempflow, g2rpo, chunk; all or a list a,b,c:flag=value compares
     model: str = "toy"  # 'toy' (the embedded shapes world), or a diffusers folder / hub id of SD3, SD3.5, FLUX.1
     reward: str = "auto"  # toy-strict, toy, pickscore, clip or a sum clip:0.3,pickscore:1 (auto: toy-strict/pickscore)
     reward_model: str = ""  # CLIP model of pickscore/clip, a path or hub id; name=path,... for a sum
@@ -206,15 +208,12 @@ class Args:
     weighted_chunks: bool = False  # chunk: draw trained chunks with probability proportional to their relative L1
     chunk_fraction: float = 1.0  # chunk: fraction of chunks trained per trajectory
 
-    pretrain_steps: int = 1600  # toy: pretraining steps of the base model
-    pretrain_batch: int = 64  # toy: pretraining batch size
-    pretrain_lr: float = 2e-3  # toy: pretraining learning rate
-    pretrain_detailed: float = 0.5  # toy: fraction of pretraining captions that name every colour
-    pretrain_unnamed: float = 0.3  # toy: fraction of pretraining images with an object the caption leaves unnamed
+    pretrain_steps: int = 1600  # toy: pretraining steps of the base model (the rest of its recipe: pretrain_toy)
 
     checkpoint_every: int = 10  # write checkpoint.pt every N iterations (and at the end); --resume RUN_DIR continues
     max_nonfinite: int = 3  # stop after this many iterations in a row with non-finite rewards, advantages or loss
     compare_seeds: str = "0"  # with --method all (or a list a,b): the seeds every method runs with, e.g. 0-11
+    workers: int = 0  # head-to-head: processes of one thread sharing its runs (0: one per CPU core, 1 on CUDA)
     benchmark: int = 0  # time N iterations (after a warm-up one): seconds per phase, images per second, memory
 
     @property
@@ -246,7 +245,7 @@ VOCAB = ["[PAD]", "[UNK]", "a", "and", "of", *NUMBER_WORDS.values(), *COLORS, *C
 MAX_TOKENS = 8
 
 def make_prompt(tag: str, rng: random.Random, name_colours: bool = False) -> dict:
-    """One random prompt of a GenEval category; `name_colours` names its free colours too (`--pretrain-detailed`)."""
+    """One random prompt of a GenEval category; `name_colours` names its free colours too (pretrain_toy)."""
     (a, b), (ca, cb) = rng.sample(CLASSES, 2), rng.sample(list(COLORS), 2)
     obj_a, obj_b, word_a, word_b = {"class": a, "count": 1}, {"class": b, "count": 1}, a, b
     if name_colours or tag in ("colors", "color_attr"):
@@ -470,24 +469,25 @@ class ToyPolicy(Policy):
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         return ((x.float() + 1) / 2).clamp(0, 1)  # (N, 3, RES, RES) in [0, 1]
 
-def pretrain_toy(args: Args, device) -> dict:
-    """Rectified-flow pretraining on rendered shapes: |v(x_t, t, c) - (x1 - x0)|^2, logit-normal t (as SD3),
-    10% empty captions for CFG, an EMA (0.99) of the weights. Seeded. -> the parts by name.
+def pretrain_toy(steps: int, device, batch: int = 64, lr: float = 2e-3, detailed: float = 0.5, unnamed: float = 0.3):
+    """Rectified-flow pretraining on rendered shapes: |v(x_t, t, c) - (x1 - x0)|^2, logit-normal t (as SD3), 10% empty
+    captions for CFG, a `detailed` share of captions that name every colour, an EMA (0.99) of the weights. Seeded.
+    -> the parts by name.
 
-    The base's one flaw, on purpose: `pretrain_unnamed` (30%) of the images hold one more object, of a class the
+    The base's one flaw, on purpose: `unnamed` (30%) of the images hold one more object, of a class the
     caption does not name, as web alt-text leaves objects out. The base then adds an unasked object to about a
     third of its images, on every kind of prompt: a defect all prompts share, which RL removes in minutes, and
     whose removal the methods race on. Its other errors (position, counting) are prompt by prompt."""
     from diffusers.training_utils import EMAModel
     unet, text_encoder = build_toy_modules(seed=0, device=device)
     tokenizer, params = build_tokenizer(), [*unet.parameters(), *text_encoder.parameters()]
-    opt = torch.optim.AdamW(params, lr=args.pretrain_lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(  # a linear warm-up over 50 steps, then a cosine to 0
-        opt, lambda i: min(1.0, (i + 1) / 50) * (1 + math.cos(math.pi * i / args.pretrain_steps)) / 2)
+        opt, lambda i: min(1.0, (i + 1) / 50) * (1 + math.cos(math.pi * i / steps)) / 2)
     ema, rng, gen = EMAModel(params, decay=0.99), random.Random(0), torch.Generator().manual_seed(0)
-    for _ in tqdm(range(args.pretrain_steps), desc="pretraining toy model", leave=False):
-        metas = train_prompts(args.pretrain_batch, rng, args.pretrain_detailed)
-        drawn = [with_unnamed_object(m, rng) if rng.random() < args.pretrain_unnamed else m for m in metas]
+    for _ in tqdm(range(steps), desc="pretraining toy model", leave=False):
+        metas = train_prompts(batch, rng, detailed)
+        drawn = [with_unnamed_object(m, rng) if rng.random() < unnamed else m for m in metas]
         x0 = render_batch(drawn, rng) * 2 - 1  # (B, 3, RES, RES) in [-1, 1]
         captions = [m["prompt"] if rng.random() > 0.1 else "" for m in metas]
         x1 = torch.randn(x0.shape, generator=gen)
@@ -510,12 +510,10 @@ def load_toy(args: Args, device) -> ToyPolicy:
     """The shipped toy base model, or with --pretrain the cached one, pretraining it first if absent."""
     from diffusers import UNet2DConditionModel
     from transformers import CLIPTextModel, PreTrainedTokenizerFast
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flow_grpo_credit"
-    recipe = (f"steps{args.pretrain_steps}-b{args.pretrain_batch}-lr{args.pretrain_lr}-d{args.pretrain_detailed}"
-              f"-u{args.pretrain_unnamed}")
-    folder = Path(args.cache_dir or default) / f"toy-res{RES}-{recipe}-v4" if args.pretrain else TOY_BASE
+    cache = Path(args.cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flow_grpo_credit")
+    folder = cache / f"toy-res{RES}-steps{args.pretrain_steps}-v5" if args.pretrain else TOY_BASE
     if not folder.exists():  # it appears whole, renamed from a temporary folder
-        start, parts = time.time(), pretrain_toy(args, device)
+        start, parts = time.time(), pretrain_toy(args.pretrain_steps, device)
         print(f"pretrained the toy model in {time.time() - start:.0f} s; cached in {folder}")
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
         for name, part in parts.items():
@@ -1230,13 +1228,12 @@ RULES = {  # what a valid value of each flag is, and how to tell
     ">= 3": (["steps"], lambda v: v >= 3),
     "> 0": (["clip_range", "max_grad_norm", "resolution"], lambda v: v > 0),
     ">= 0": (["micro_batch", "noise_level", "extra_penalty", "beta", "lora_rank", "lora_alpha", "branch_steps",
-              "benchmark"], lambda v: v >= 0),
+              "benchmark", "workers"], lambda v: v >= 0),
     ">= 1": (["prompts_per_iter", "eval_steps", "eval_every", "eval_per_tag", "curve_per_tag", "inner_updates",
               "tweedie_substeps", "seeds", "num_chunks", "pretrain_steps", "checkpoint_every", "max_nonfinite"],
              lambda v: v >= 1),
     "0 or >= 1": (["guidance"], lambda v: v == 0 or v >= 1),
     "in [0, 1)": (["ema"], lambda v: 0 <= v < 1),
-    "in [0, 1]": (["pretrain_detailed", "pretrain_unnamed"], lambda v: 0 <= v <= 1),
     "in (0, 1]": (["train_fraction", "chunk_fraction"], lambda v: 0 < v <= 1),
 }
 
@@ -1265,7 +1262,6 @@ def validate(args: Args) -> Args:
     lams = parse_ints(args.granularities, "--granularities")
     if min(lams) < 1 or len(set(lams)) < len(lams):  # a repeated lambda would count its advantage twice
         raise UsageError(f"--granularities must be distinct positive integers like 1,2,3, got {args.granularities!r}")
-    parse_ints(args.compare_seeds, "--compare-seeds", "0-11", seeds=True)
     resolve_device(args.device)
     return resolved(args)
 
@@ -1319,26 +1315,20 @@ def iteration_context(args: Args, parts: Setup, it: int, meter: Meter, dist: Dis
     return Context(parts.policy, args, meter, gen, metas, parts.policy.encode([m["prompt"] for m in metas]), parts.grid,
                    parts.reward_fn, parts.chunk_sizes, dist, shared)
 
-def train(args: Args, resume: str | None = None) -> list[dict]:
-    """GRPO with the chosen credit assignment -> the metric records (also in metrics.jsonl). `resume`, a run
-    folder, continues from its checkpoint. Under torchrun DDP averages gradients, rank 0 evaluates and writes."""
+def train(args: Args, resume: str | None = None, run: Path | None = None, base_eval: Path | None = None) -> list[dict]:
+    """GRPO with the chosen credit assignment -> the metric records (also in metrics.jsonl). `resume`, a run folder,
+    continues from its checkpoint; `run` names a new one; `base_eval` holds the base's evaluation, its first (the
+    head-to-head's). Under torchrun DDP averages gradients, rank 0 evaluates and writes."""
     from diffusers.training_utils import EMAModel
     args = validate(args)
-    if resume:  # the checkpoint fixes these: a run that said one thing and did another would mislead
-        saved = json.loads((Path(resume) / "args.json").read_text())  # what the run began with (parse_args checks it)
-        fixed = ["lr", "weight_decay", "ema", "lr_schedule"] + ["iterations"] * (args.lr_schedule == "cosine")
-        changed = [f for f in fixed if saved.get(f, getattr(args, f)) != getattr(args, f)]
-        if changed:
-            raise UsageError(f"--resume continues the run as it began: --{changed[0].replace('_', '-')} is "
-                             f"{saved[changed[0]]!r} there, not {getattr(args, changed[0])!r}; start a new run instead")
     dist = Dist.setup(resolve_device(args.device))
     if args.group_size % dist.world:
         raise UsageError(f"--group-size {args.group_size} must be a multiple of the {dist.world} ranks")
     writer, parts = dist.rank == 0, setup(args, dist)
-    run = Path(resume or Path(args.out) / f"{args.method}-seed{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run = Path(resume or run or Path(args.out) / f"{args.method}-seed{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
     if writer:  # made after loading: a model that fails to load leaves no empty folder
         try:
-            run.mkdir(parents=True, exist_ok=bool(resume))
+            run.mkdir(parents=True, exist_ok=True)  # a folder named or resumed; its lock keeps out a second writer
         except OSError as e:
             raise UsageError(f"--out {args.out!r}: cannot create the run folder {run} ({e.strerror or e})") from None
         lock = (run / ".lock").open("w")  # one writer per run folder: the lock is the process's until it exits
@@ -1366,8 +1356,9 @@ def train(args: Args, resume: str | None = None) -> list[dict]:
         nfe = int(dist.reduce(meter.nfe))
         if writer:  # the other ranks go on and wait for rank 0 in the next collective
             pairs = None if iteration in (0, args.iterations) else curve_pairs(parts.held_out, args.curve_per_tag)
-            with ema_applied(ema, parts.params):
-                metrics, images, metas, scores = evaluate(parts.policy, args, parts.reward_fn, parts.held_out, pairs)
+            with ema_applied(ema, parts.params):  # a base's evaluation given is the first: the adapter starts at 0
+                made = torch.load(base_eval, weights_only=True) if base_eval and not iteration else None
+                metrics, images, metas, scores = made or evaluate(parts.policy, args, parts.reward_fn, pairs=pairs)
             state["base_scores"] = state.get("base_scores") or scores  # the gains are paired with the first evaluation
             base = {k: v[scores["pair"]] for k, v in state["base_scores"].items()}  # the same pairs as this one's
             gains = paired_gains(scores, base, [m.get("tag", "prompt") for m in metas])
@@ -1536,127 +1527,136 @@ def save_grid(images: torch.Tensor, metas: list[dict], scores: dict, path: Path,
     fig.suptitle(title, fontsize=9)
     fig.savefig(path, dpi=110)
 
-def line_plots(panels: list[tuple[str, str, dict]], path: Path) -> None:
-    """A PNG with one panel per (x label, y label, {label: (xs, ys)})."""
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(4.4 * len(panels), 3.3), layout="tight")
-    for ax, (xlabel, ylabel, lines) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
-        for label, (xs, ys) in lines.items():
-            ax.plot(xs, ys, marker="o", ms=3, label=label)
-        ax.set(xlabel=xlabel, ylabel=ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.savefig(path, dpi=110)
-
-SCORES = ("eval_overall", "eval_strict", "eval_extra")  # the held-out scores plotted (the last two: toy only)
-
 def plot_curves(history: list[dict], path: Path, label: str) -> None:
-    """Training reward, held-out scores, credit map (each step's mean |advantage|, flat groups' share) by iteration."""
+    """A PNG of four panels by iteration: training reward, held-out scores, credit map (each step's mean |advantage|),
+    the share of flat groups."""
+    from matplotlib.figure import Figure
     train, evals = [h for h in history if "reward_mean" in h], [h for h in history if "eval_overall" in h]
     its = [h["iteration"] for h in train]
     rewards, window = [h["reward_mean"] for h in train], min(8, len(train))  # 8 prompts an iteration: noisy
     trend = np.convolve(rewards, np.ones(window) / window, "valid").tolist()  # the mean of each `window` iterations
     reward = {label: (its, rewards), f"mean of {window} iterations": (its[window - 1:], trend)}
-    scores = {k: ([h["iteration"] for h in evals], [h[k] for h in evals]) for k in SCORES if k in evals[0]}
+    scores = {k: ([h["iteration"] for h in evals], [h[k] for h in evals])  # eval_strict and eval_extra: toy only
+              for k in ("eval_overall", "eval_strict", "eval_extra") if k in evals[0]}
     steps = sorted({k for h in train for k in h if k.startswith("adv_abs/")}, key=lambda k: int(k[8:]))
     credit = {f"step {k[8:]}": (its, [h.get(k, 0.0) for h in train]) for k in steps}
     flat = {label: (its, [h["zero_std_frac"] for h in train])}
-    line_plots([("iteration", "training reward", reward), ("iteration", "held-out score (ODE)", scores),
-                ("iteration", "mean |advantage| of the step", credit),
-                ("iteration", "groups of equal rewards (zero_std_frac)", flat)], path)
+    panels = {"training reward": reward, "held-out score (ODE)": scores, "mean |advantage| of the step": credit,
+              "groups of equal rewards (zero_std_frac)": flat}
+    fig = Figure(figsize=(4.4 * len(panels), 3.3), layout="tight")
+    for ax, (ylabel, lines) in zip(fig.subplots(1, len(panels)), panels.items()):
+        for name, (xs, ys) in lines.items():
+            ax.plot(xs, ys, marker="o", ms=3, label=name)
+        ax.set(xlabel="iteration", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.savefig(path, dpi=110)
 
-def compare(args: Args, folder: str | None = None) -> Path:
-    """`--method all` (or a list a,b, or several --compare-seeds): every method with the same seeds, one run after
-    another -> comparison.md and .png. `--resume` continues every run."""
-    seeds = parse_ints(args.compare_seeds, "--compare-seeds", "0-11", seeds=True)
-    methods = list(CREDIT_ASSIGNMENT) if args.method == "all" else args.method.split(",")
-    folder = Path(folder) if folder else Path(args.out) / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
-    runs = [validate(dataclasses.replace(args, method=m, seed=seed, compare_seeds=str(seed), out=str(folder)))
-            for m in methods for seed in seeds]  # all validated before the first starts; each args.json says one run
-    started = [sorted(folder.glob(f"{a.method}-seed{a.seed}-*/checkpoint.pt")) for a in runs]
-    resumes = [str(found[-1].parent) if found else None for found in started]  # what --resume continues
+def comparison_runs(args: Args) -> list[tuple[str, Args]]:
+    """(label, args) of a head-to-head's runs, seed by seed: --method all (the five) or a list, where a method may
+    change flags after colons (g2rpo:granularities=1), with each of --compare-seeds."""
+    variants = {}  # label -> (method, the flags it changes)
+    for label in (m for item in args.method.split(",") for m in (CREDIT_ASSIGNMENT if item == "all" else [item])):
+        method, *changes = label.split(":")
+        try:  # name=value, as the flag's type reads it; true or false for a switch
+            variants[label] = method, {k: {"true": True, "false": False}[v] if type(getattr(Args, k)) is bool
+                                       else type(getattr(Args, k))(v) for k, v in (c.split("=") for c in changes)}
+        except (AttributeError, KeyError, ValueError):
+            raise UsageError(f"--method {label}: a flag after a colon is name=value (g2rpo:granularities=1)") from None
+    return [(label, validate(dataclasses.replace(args, **flags, method=method, seed=seed, compare_seeds=str(seed),
+                                                 workers=1)))
+            for seed in parse_ints(args.compare_seeds, "--compare-seeds", "0-11", seeds=True)
+            for label, (method, flags) in variants.items()]
+
+def compare(args: Args) -> Path:
+    """The head-to-head: every run of `comparison_runs` in --out/comparison, shared by `workers` processes of one
+    thread; the base is evaluated once (base.json). A run with a record is done and a started one resumes, so the same
+    command continues, also in a folder seeded with committed records. Then each label's mean gain over its seeds."""
+    runs, folder, device = comparison_runs(args), Path(args.out) / "comparison", resolve_device(args.device)
+    workers = min(args.workers or (1 if device.type == "cuda" else len(os.sched_getaffinity(0))), len(runs))
+    if workers > 1:  # the base's evaluation at the runs' one thread, so that it equals theirs bit for bit
+        torch.set_num_threads(1)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-    evals = {m: [] for m in methods}  # each method's runs (a seed each), each its evaluations with per-image scores
-    for a, resume in zip(runs, resumes):
-        history, run = train(a, resume), sorted(folder.glob(f"{a.method}-seed{a.seed}-*/metrics.jsonl"))[-1].parent
-        evals[a.method].append([h | {"scores": torch.load(run / f"scores_{h['iteration']:04d}.pt", weights_only=True)}
-                                for h in history if "eval_overall" in h])
-    tags = [m.get("tag", "prompt") for m in prompt_sets(args)[1]]
-    (folder / "comparison.md").write_text(comparison_table(evals, seeds, args, tags))
-    plot_comparison(evals, folder / "comparison.png")
-    print((folder / "comparison.md").read_text())
+    if not (folder / "base_eval.pt").exists():  # the LoRA starts at zero: every run's first evaluation is the base's
+        start, first = time.time(), runs[0][1]
+        metrics, images, metas, scores = evaluate(load_policy(first, device), first)
+        torch.save((metrics, images, metas, scores), folder / "base_eval.tmp")
+        os.replace(folder / "base_eval.tmp", folder / "base_eval.pt")
+        if not (folder / "base.json").exists():  # a seeded folder keeps the committed one
+            base = metrics | {"scores": per_pair(scores), "seconds": time.time() - start}
+            (folder / "base.json").write_text(json.dumps(base))
+    print(f"head-to-head: {len(runs)} runs in {folder}, {workers} process(es); {hours_left(runs, folder, workers)}")
+    if workers == 1:
+        run_all(runs, folder, workers)
+    else:  # one thread a process, as measured on 2 CPU cores: two of one thread outrun one of two; errors come here
+        with ProcessPoolExecutor(workers, mp_context=torch.multiprocessing.get_context("spawn"),
+                                 initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            list(pool.map(run_all, *zip(*[(runs, folder, workers)] * workers)))
+    summarise(folder)
     return folder
 
-T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # Student's t, 97.5%
+def run_all(runs: list, folder: Path, workers: int) -> None:
+    """A worker of the head-to-head: in order, each run without a record that no other worker holds."""
+    for label, a in runs:
+        path = folder / f"{label.replace(':', '+')}-seed{a.seed}.json"  # the record; the run's folder without .json
+        with path.with_suffix(".claim").open("w") as claim:
+            try:
+                fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # another worker's
+            if not path.exists():
+                run = path.with_suffix("")
+                train(a, str(run) if (run / "checkpoint.pt").exists() else None, run, folder / "base_eval.pt")
+                write_record(path, label, a)
+                print(f"head-to-head: {path.stem} done; {hours_left(runs, folder, workers)}")
 
-def comparison_table(evals: dict, seeds: list[int], args: Args, tags: list[str]) -> str:
-    """comparison.md: each method against its base, then against Flow-GRPO at equal iterations and at about equal
-    forward passes. Every difference is paired (the same held-out prompts and noise): each seed's, ± its standard
-    error over prompts, and their mean with a 95% interval. Every seed meets the same held-out set, so the interval
-    adds two errors: the spread over seeds (Student's t) and, over prompts, that of the seeds' mean difference."""
-    toy = "eval_strict" in next(iter(evals.values()))[0][0]
-    rules = {"strict": "strict", "GenEval rule": "geneval"} if toy else {"reward": "reward"}
+def per_pair(scores: dict) -> dict:
+    """An evaluation's per-pair scores for a record: pair numbers, the toy's integer scores or a model's rewards."""
+    kept = ("pair", "strict", "geneval", "extra") if "strict" in scores else ("pair", "reward")
+    return {k: scores[k].int().tolist() if k != "reward" else [round(x, 4) for x in scores[k].tolist()] for k in kept}
 
-    def difference(pairs: list[tuple[dict, dict]], key: str) -> str:  # (evaluation, the one it is paired with) a seed
-        scored = [set(e["scores"]["pair"].tolist()) for pair in pairs for e in pair]  # a curve point scores a subset
-        common = torch.tensor(sorted(set.intersection(*scored)))  # (n,) the held-out pairs every evaluation scored
-        diffs = [a["scores"][key][torch.isin(a["scores"]["pair"], common)]
-                 - b["scores"][key][torch.isin(b["scores"]["pair"], common)] for a, b in pairs]  # per seed, (n,)
-        tags_n = [tags[i] for i in common.tolist()]
-        per_seed = [by_category(d, tags_n) for d in diffs]  # (mean, s.e. over prompts) a seed
-        d = [mean for mean, _ in per_seed]
-        seeds_se = np.std(d, ddof=1) / math.sqrt(len(d)) if len(d) > 1 else 0.0
-        prompts_se = by_category(torch.stack(diffs).mean(0), tags_n)[1]
-        half = math.hypot(T_975.get(len(d) - 1, 1.96) * seeds_se, 1.96 * prompts_se)
-        seeds = ", ".join(f"{mean:+.3f} ± {se:.3f}" for mean, se in per_seed)
-        return f"**{np.mean(d):+.3f}** [{np.mean(d) - half:+.3f}, {np.mean(d) + half:+.3f}] ({seeds})"
+def write_record(path: Path, label: str, a: Args) -> None:
+    """A finished run's record (assets/comparison): flags, cost, machine and code, the training reward of every
+    iteration, and every evaluation after the base's with its per-pair scores (the base's is base.json)."""
+    run, cpu = path.with_suffix(""), Path("/proc/cpuinfo")
+    history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [h | {"scores": per_pair(torch.load(run / f"scores_{h['iteration']:04d}.pt", weights_only=True))}
+                   for h in history if "eval_overall" in h and h["iteration"] > 0]
+    model = re.search(r"model name\s*: (.*)", cpu.read_text()) if cpu.exists() else None
+    code = Path(__file__).read_bytes()  # its git object id: `git log --find-object=ID` names the commits that hold it
+    blob = hashlib.sha1(b"blob %d\0" % len(code) + code).hexdigest()
+    record = {"label": label, "seed": a.seed, "args": dataclasses.asdict(a), "iterations": a.iterations,
+              "nfe": history[-1]["nfe"], "seconds": history[-1]["wall_s"], "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "cpu": model[1] if model else "unknown", "code": blob,
+              "reward_mean": [h["reward_mean"] for h in history if "reward_mean" in h], "evaluations": evaluations}
+    path.write_text(json.dumps(record, separators=(",", ":")))  # ~25 kB a toy run
 
-    rows = [["method", "passes per iteration", *(f"{r}: base → final" for r in rules),
-             *(f"{r} gain [95% interval] (seeds)" for r in rules), *(["extra objects"] if toy else [])]]
-    for m, runs in evals.items():
-        base, final = [run[0] for run in runs], [run[-1] for run in runs]
-        scores = [f"{by_category(base[0]['scores'][k], tags)[0]:.3f} → "
-                  f"{np.mean([by_category(e['scores'][k], tags)[0] for e in final]):.3f}" for k in rules.values()]
-        extra = [f"{base[0]['eval_extra']:.1%} → {np.mean([e['eval_extra'] for e in final]):.1%}"] if toy else []
-        rows.append([m, f"{np.mean([e['nfe'] / e['iteration'] for e in final]):.0f}", *scores,
-                     *(difference(list(zip(final, base)), k) for k in rules.values()), *extra])
-    iterations = args.iterations or "each method's default number of"
-    text = f"Held-out scores, seeds {seeds}, {iterations} iterations.\n\n" + markdown_table(rows)
-    if "flow_grpo" not in evals or len(evals) == 1:
-        return text
-    flow = evals["flow_grpo"]
-    common = max(set.intersection(*({e["iteration"] for e in run} for runs in evals.values() for run in runs)))
+def hours_left(runs: list, folder: Path, workers: int) -> str:
+    """The runs without a record and their projected hours: each label trains at its records' mean seconds per
+    iteration (a label without a record yet is named, not counted) and evaluates at the base's speed."""
+    speed, done = collections.defaultdict(list), set()  # label -> seconds per training iteration of its records
+    for record in (json.loads(p.read_text()) for p in folder.glob("*-seed*.json")):
+        speed[record["label"]].append(record["seconds"] / record["iterations"])
+        done.add((record["label"], record["seed"]))
+    left = [(label, a) for label, a in runs if (label, a.seed) not in done]
+    evaluation = json.loads((folder / "base.json").read_text())["seconds"]  # of every held-out pair
+    seconds = [np.mean(speed[label]) * a.iterations + evaluation * (2 + a.iterations // a.eval_every
+               * a.curve_per_tag / a.eval_per_tag) for label, a in left if speed[label]]
+    new = ", ".join(sorted({label for label, _ in left if not speed[label]}))  # labels without a record yet
+    return f"{len(left)} runs to go, {sum(seconds) / workers / 3600:.1f} h" + (f" + untimed {new}" if new else "")
 
-    def near_nfe(run: list[dict], ref: list[dict]) -> tuple[dict, dict]:  # the last evaluation within Flow-GRPO's
-        mine = ([e for e in run[1:] if e["nfe"] <= 1.1 * ref[-1]["nfe"]] or run[1:2])[-1]  # budget, and its nearest
-        return mine, min(ref[1:], key=lambda e: abs(e["nfe"] - mine["nfe"]))
-
-    versus = [["method", *(f"{r}, iteration {common}" for r in rules), "nfe: method / flow_grpo",
-               *(f"{r}, ~equal nfe" for r in rules)]]
-    for m, runs in evals.items():
-        if m != "flow_grpo":
-            same_it = [[e for e in run + ref if e["iteration"] == common] for run, ref in zip(runs, flow)]
-            same_nfe = [near_nfe(run, ref) for run, ref in zip(runs, flow)]
-            nfe = " / ".join(f"{np.mean([pair[i]['nfe'] for pair in same_nfe]):.3g}" for i in (0, 1))
-            versus.append([m, *(difference(same_it, k) for k in rules.values()), nfe,
-                           *(difference(same_nfe, k) for k in rules.values())])
-    return text + "\nAgainst Flow-GRPO (the method minus flow_grpo of the same seed):\n\n" + markdown_table(versus)
-
-def markdown_table(rows: list[list[str]]) -> str:
-    return "\n".join("| " + " | ".join(row) + " |" for row in [rows[0], ["---"] * len(rows[0]), *rows[1:]]) + "\n"
-
-def plot_comparison(evals: dict, path: Path) -> None:
-    """Held-out scores against iteration and nfe, the mean over seeds; on toy also strict and extra."""
-    def mean(runs, key):
-        return np.mean([[e[key] for e in run[: min(map(len, runs))]] for run in runs], 0)
-
-    keys = [k for k in SCORES if k in next(iter(evals.values()))[0][0]]
-    names = {"nfe": "forward passes (nfe)", "eval_overall": "toy-GenEval / reward", "eval_strict": "strict score",
-             "eval_extra": "images with extra objects"}
-    panels = [(x, "eval_overall") for x in ("iteration", "nfe")] + [("iteration", k) for k in keys[1:]]
-    line_plots([(names.get(x, x), names[y], {label: (mean(runs, x), mean(runs, y)) for label, runs in evals.items()})
-                for x, y in panels], path)
+def summarise(folder: Path) -> None:
+    """Each label's mean strict gain over its seeds (real models: the reward's), with Student's 95% t-interval."""
+    from scipy import stats
+    gains = collections.defaultdict(list)
+    for record in (json.loads(p.read_text()) for p in sorted(folder.glob("*-seed*.json"))):
+        end = record["evaluations"][-1]
+        gains[record["label"]].append(end.get("gain_strict", end["gain_overall"]))
+    for label, g in sorted(gains.items(), key=lambda kv: (list(CREDIT_ASSIGNMENT).index(kv[0].split(":")[0]), kv[0])):
+        half = stats.t.ppf(0.975, len(g) - 1) * np.std(g, ddof=1) / math.sqrt(len(g)) if len(g) > 1 else math.nan
+        interval = f" ± {half:.3f} (Student's 95% t-interval)" if len(g) > 1 else " (one seed: no interval)"
+        print(f"{label:24} {len(g):2} seeds: gain {np.mean(g):+.3f}{interval}")
+    print(f"the rest (IQM, paired differences, Holm, figures): notebooks/03_head_to_head.ipynb on {folder}")
 
 def benchmark(args: Args) -> dict:
     """Seconds per phase of `args.benchmark` iterations after an untimed warm-up, images/s, peak memory; no files."""
@@ -1689,12 +1689,9 @@ def benchmark(args: Args) -> dict:
     runs = [iteration(it) for it in tqdm(range(1, args.benchmark + 1), desc="benchmark")]
     mean = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
     total = sum(mean[k] for k in ("encode_s", "sample_s", "reward_s", "train_s"))
-    if cuda:
-        memory = {"peak_allocated_gb": torch.cuda.max_memory_allocated(dist.device) / 1e9,
-                  "peak_reserved_gb": torch.cuda.max_memory_reserved(dist.device) / 1e9}
-    else:  # the process's peak resident memory (Linux reports KiB)
-        import resource
-        memory = {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
+    memory = ({"peak_allocated_gb": torch.cuda.max_memory_allocated(dist.device) / 1e9,
+               "peak_reserved_gb": torch.cuda.max_memory_reserved(dist.device) / 1e9} if cuda
+              else {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9})  # Linux: KiB
     device = torch.cuda.get_device_name(dist.device) if cuda else "cpu"
     result = {"method": args.method, "model": args.model, "device": device, **mean, "total_s": total,
               "images_per_s": mean["images"] / total, **memory}
@@ -1720,22 +1717,25 @@ def parse_args(argv=None) -> tuple[Args, str | None]:
         kind = {"bool": dict(action="store_true"), "int": dict(type=int), "float": dict(type=float)}
         parser.add_argument("--" + f.name.replace("_", "-"), help=f"{helps[f.name]} (default: {f.default})",
                             **kind.get(f.type, dict(type=str)))
-    parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run (or comparison) in RUN_DIR")
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR (a head-to-head: its command)")
     given = vars(parser.parse_args(argv))
     resume = given.pop("resume", None)
-    saved = Path(resume or ".") / "args.json"
-    if resume and not saved.exists():
+    if resume and not (Path(resume) / "args.json").exists():
         raise UsageError(f"--resume {resume}: no args.json there (a run folder written by this script is expected)")
-    return Args(**{**(json.loads(saved.read_text()) if resume else {}), **given}), resume
+    saved = json.loads((Path(resume) / "args.json").read_text()) if resume else {}
+    fixed = ["lr", "weight_decay", "ema", "lr_schedule"] + ["iterations"] * (saved.get("lr_schedule") == "cosine")
+    if changed := [f for f in fixed if f in given and given[f] != saved.get(f, given[f])]:  # the checkpoint fixes these
+        raise UsageError(f"--resume continues the run as it began: --{changed[0].replace('_', '-')} is "
+                         f"{saved[changed[0]]!r} there, not {given[changed[0]]!r}; start a new run instead")
+    return Args(**{**saved, **given}), resume
 
 def main(argv=None) -> int:
     try:
         args, resume = parse_args(argv)
-        seeds = parse_ints(args.compare_seeds, "--compare-seeds", "0-11", seeds=True)
         if args.benchmark and not resume:
             benchmark(args)
-        elif args.method not in CREDIT_ASSIGNMENT or len(seeds) > 1:
-            compare(args, resume)
+        elif args.method not in CREDIT_ASSIGNMENT or len(comparison_runs(args)) > 1:
+            compare(args)
         else:
             train(args, resume)
     except (UsageError, RunError) as e:

@@ -876,10 +876,11 @@ def test_every_flag_is_an_args_field_whose_comment_is_its_help(capsys, monkeypat
     (["--method", "chunk", "--chunks", "2-4"], "--chunks must be integers like 2,3,4"),
     (["--method", "all", "--compare-seeds", "0-2,1"], "--compare-seeds must be distinct integers like 0-11"),
     (["--lr-schedule", "linear"], "unknown --lr-schedule 'linear'; choose constant, cosine"),
+    (["--method", "g2rpo:nonsense=1"], "--method g2rpo:nonsense=1: a flag after a colon is name=value"),
     (["--method", "g2rpo", "--sde", "ddim", "--steps", "3"], "has no step to train"),
     (["--sde", "euler"], "flow, ddim, cps"),
     (["--sde", "cps", "--noise-level", "1.5"], "--noise-level of the cps SDE must be in (0, 1]"),
-    (["--pretrain-detailed", "1.5"], "--pretrain-detailed must be in [0, 1]"),
+    (["--ema", "1"], "--ema must be in [0, 1), got 1.0"),
     (["--device", "cuda"], "no CUDA"),
     (["--out", "/proc/forbidden"], "cannot create"),
 ])
@@ -1124,7 +1125,7 @@ def test_a_resume_refuses_the_flags_its_checkpoint_fixes(tiny_run, tiny_cache, t
     cosine = fgc.train(tiny_args(tiny_cache, tmp_path, iterations=1, lr_schedule="cosine"))
     folder = next(tmp_path.iterdir())
     with pytest.raises(fgc.UsageError, match="--iterations is 1 there, not 2"):
-        fgc.train(dataclasses.replace(fgc.parse_args(["--resume", str(folder)])[0], iterations=2), str(folder))
+        fgc.parse_args(["--resume", str(folder), "--iterations", "2"])
     assert [h["lr"] for h in cosine if "lr" in h] == [fgc.METHOD_DEFAULTS["flow_grpo"]["lr"]]
 
 
@@ -1801,89 +1802,70 @@ def test_a_short_grpo_run_raises_the_reward_of_its_prompts():
     assert after > before + 0.04
 
 
-def table_rows(table: str) -> list[dict]:
-    """comparison.md's tables -> [{method: {column: cell}} per table]."""
-    tables = [[line for line in block.splitlines() if line.startswith("|")] for block in table.split("\n\n")]
-    parsed = []
-    for lines in (t for t in tables if t):
-        header = [c.strip() for c in lines[0].strip("|").split("|")]
-        rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
-        parsed.append({row[0]: dict(zip(header, row)) for row in rows})
-    return parsed
+def test_the_head_to_head_runs_each_label_and_seed_once_and_records_it_with_per_pair_scores(
+        tiny_cache, tmp_path, capsys):
+    """Two workers share the runs; each run repeats a run made alone exactly, its first evaluation the base's,
+    evaluated once (base.json). A record holds the run's cost, machine and evaluations, the curve point's scores on
+    its pairs (3 of each category's 9) with their numbers, so that its gain pairs with the base on the same pairs.
+    At the end each label's mean strict gain over the seeds, with Student's 95% t-interval."""
+    from scipy import stats
+
+    args = tiny_args(tiny_cache, tmp_path, method="flow_grpo,g2rpo:granularities=1", compare_seeds="0-1",
+                     iterations=2, eval_every=1, eval_per_tag=9, curve_per_tag=2, workers=2)
+    threads = torch.get_num_threads()
+    try:
+        folder = fgc.compare(args)  # its runs and the base's evaluation take one thread each, as the run alone below
+        alone = fgc.train(dataclasses.replace(args, method="g2rpo", granularities="1", seed=1, workers=1,
+                                              out=str(tmp_path / "alone")))
+    finally:
+        torch.set_num_threads(threads)
+    names = ["flow_grpo-seed0", "g2rpo+granularities=1-seed0", "flow_grpo-seed1", "g2rpo+granularities=1-seed1"]
+    records = {name: json.loads((folder / f"{name}.json").read_text()) for name in names}
+    base = json.loads((folder / "base.json").read_text())
+    metrics = [json.loads(line) for line in (folder / names[3] / "metrics.jsonl").read_text().splitlines()]
+    assert strip_time(metrics) == strip_time(alone)
+    record = records[names[3]]
+    assert record["label"] == "g2rpo:granularities=1" and record["args"]["granularities"] == "1"
+    assert (record["iterations"], record["nfe"], record["threads"]) == (2, alone[-1]["nfe"], 1)
+    assert record["torch"] == torch.__version__ and record["cpu"]
+    git_id = subprocess.run(["git", "hash-object", fgc.__file__], capture_output=True, text=True).stdout.strip()
+    assert record["code"] == git_id  # the script's version: `git log --find-object` names its commits
+    assert [e["iteration"] for e in record["evaluations"]] == [1, 2] and len(record["reward_mean"]) == 2
+    curve, end = record["evaluations"]
+    chosen = [category * 9 + j for category in range(6) for j in (0, 4, 8)]
+    assert curve["scores"]["pair"] == chosen and end["scores"]["pair"] == list(range(54)) == base["scores"]["pair"]
+    tags = [fgc.eval_prompts(9)[i]["tag"] for i in chosen]
+    gain = torch.tensor(curve["scores"]["strict"]) - torch.tensor(base["scores"]["strict"])[chosen]
+    assert curve["gain_strict"] == pytest.approx(fgc.by_category(gain.double(), tags)[0])
+    printed = capsys.readouterr().out
+    for label in ("flow_grpo", "g2rpo:granularities=1"):
+        gains = [r["evaluations"][-1]["gain_strict"] for r in records.values() if r["label"] == label]
+        half = stats.t.ppf(0.975, 1) * np.std(gains, ddof=1) / math.sqrt(2)  # 12.71 s / sqrt(2)
+        assert f"{label:24}  2 seeds: gain {np.mean(gains):+.3f} ± {half:.3f}" in printed
 
 
-def test_a_comparison_states_each_method_against_flow_grpo_as_paired_differences_with_intervals(tiny_cache, tmp_path):
-    """comparison.md: each method's gain over its base, then its difference from Flow-GRPO of the same seed at
-    equal iterations and at about equal nfe, computed from the per-image scores every evaluation saves: each
-    seed's paired difference ± its standard error over prompts, and the mean with Student's 95% interval. A curve
-    point (iteration 1: 3 of each category's 9 pairs) is paired with a full evaluation on the pairs both scored."""
-    args = tiny_args(tiny_cache, tmp_path, method="flow_grpo,stepwise", iterations=2, eval_every=1, eval_per_tag=9,
-                     curve_per_tag=2, compare_seeds="0,1", tweedie_substeps=1)  # two methods; `all` runs five
+def test_the_head_to_head_continues_a_started_run_and_skips_a_recorded_one(tiny_cache, tmp_path, monkeypatch):
+    """The same command again resumes a run without a record from its checkpoint and writes the same record; a
+    folder seeded with the records (as assets/comparison holds them) trains nothing and keeps their base."""
+    args = tiny_args(tiny_cache, tmp_path, compare_seeds="0,1", iterations=2, eval_every=1)
     folder = fgc.compare(args)
-    gains, versus = table_rows((folder / "comparison.md").read_text())
-    assert set(gains) == {"flow_grpo", "stepwise"} and set(versus) == {"stepwise"}
-    assert (folder / "comparison.png").exists()
-    tags = [m["tag"] for m in fgc.eval_prompts(args.eval_per_tag)]
-    runs = {m: [sorted(folder.glob(f"{m}-seed{seed}-*"))[0] for seed in (0, 1)] for m in ("flow_grpo", "stepwise")}
-
-    def scores(run, iteration):  # {held-out pair number: strict score}
-        saved = torch.load(run / f"scores_{iteration:04d}.pt")
-        return dict(zip(saved["pair"].tolist(), saved["strict"].tolist()))
-
-    def expected(pairs):  # [(scores, scores it is paired with)] per seed -> the cell
-        common = sorted(set.intersection(*(set(x) for pair in pairs for x in pair)))
-        on = [tags[i] for i in common]
-        differences = [torch.tensor([a[i] - b[i] for i in common]) for a, b in pairs]
-        diffs = [fgc.by_category(d, on) for d in differences]
-        d = [mean for mean, _ in diffs]
-        over_seeds = 12.71 * np.std(d, ddof=1) / math.sqrt(2)  # Student's t of 1 degree of freedom
-        over_prompts = 1.96 * fgc.by_category(sum(differences) / 2, on)[1]  # the seeds' mean
-        half = math.sqrt(over_seeds**2 + over_prompts**2)
-        seeds = ", ".join(f"{mean:+.3f} ± {se:.3f}" for mean, se in diffs)
-        return f"**{np.mean(d):+.3f}** [{np.mean(d) - half:+.3f}, {np.mean(d) + half:+.3f}] ({seeds})"
-
-    row = gains["stepwise"]
-    own_gain = [(scores(r, 2), scores(r, 0)) for r in runs["stepwise"]]
-    assert row["strict gain [95% interval] (seeds)"] == expected(own_gain)
-    same_iteration = [(scores(r, 2), scores(f, 2)) for r, f in zip(runs["stepwise"], runs["flow_grpo"])]
-    assert versus["stepwise"]["strict, iteration 2"] == expected(same_iteration)
-    nfe = {m: [{h["iteration"]: h["nfe"] for h in map(json.loads, (r / "metrics.jsonl").read_text().splitlines())
-                if "eval_overall" in h} for r in rs] for m, rs in runs.items()}
-    pairs = []
-    for r, f, mine, ref in zip(runs["stepwise"], runs["flow_grpo"], nfe["stepwise"], nfe["flow_grpo"]):
-        it = max([i for i in mine if 0 < i and mine[i] <= 1.1 * ref[2]] or [1])
-        ref_it = min((i for i in ref if i > 0), key=lambda i: abs(ref[i] - mine[it]))
-        pairs.append((scores(r, it), scores(f, ref_it)))
-    assert versus["stepwise"]["strict, ~equal nfe"] == expected(pairs)
-    assert "GenEval rule, iteration 2" in versus["stepwise"] and row["passes per iteration"].isdigit()
-
-
-def test_a_comparison_repeats_each_run_exactly_and_resumes_to_more_iterations(tiny_cache, tmp_path):
-    args = tiny_args(tiny_cache, tmp_path / "runs", compare_seeds="0,1", iterations=2, eval_every=1)
-    folder = fgc.compare(args)
-    alone = fgc.train(dataclasses.replace(args, seed=1, out=str(tmp_path / "alone")))
-    runs = sorted(run for run in folder.iterdir() if run.is_dir())
-
-    def records(run):
-        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-    before = {run.name: records(run) for run in runs}
-    assert strip_time(before[runs[1].name]) == strip_time(alone) and runs[1].name.startswith("flow_grpo-seed1")
-    assert fgc.main(["--resume", str(folder), "--iterations", "3"]) == 0
-    assert sorted(run for run in folder.iterdir() if run.is_dir()) == runs  # continued in place, none restarted
-    for run in runs:
-        after = records(run)
-        assert after[: len(before[run.name])] == before[run.name] and after[-1]["iteration"] == 3
-    assert "3 iterations" in (folder / "comparison.md").read_text()
-    assert fgc.main(["--resume", str(runs[0]), "--iterations", "4"]) == 0  # one run of it resumes alone
-    assert [records(run)[-1]["iteration"] for run in runs] == [4, 3]
-    assert not any(p.is_dir() for p in runs[0].iterdir() if p.name != "lora")
+    first = (folder / "flow_grpo-seed1.json").read_text()
+    (folder / "flow_grpo-seed1.json").unlink()
+    fgc.compare(args)
+    assert json.loads((folder / "flow_grpo-seed1.json").read_text()) == json.loads(first)
+    seeded = tmp_path / "seeded" / "comparison"
+    seeded.mkdir(parents=True)
+    for path in folder.glob("*.json"):
+        (seeded / path.name).write_text(path.read_text())
+    monkeypatch.setattr(fgc, "train", lambda *a, **k: pytest.fail("a recorded run trained again"))
+    fgc.compare(dataclasses.replace(args, out=str(tmp_path / "seeded")))
+    assert (seeded / "base.json").read_text() == (folder / "base.json").read_text()
 
 
 # ----------------------------------------------------------------------------------------------------
 # notebooks: each runs top to bottom as shipped, and its exercise checks can both fail and pass
 
-NOTEBOOKS = ["01_flow_grpo_walkthrough.ipynb", "02_credit_assignment_side_by_side.ipynb"]
+NOTEBOOKS = ["01_flow_grpo_walkthrough.ipynb", "02_credit_assignment_side_by_side.ipynb", "03_head_to_head.ipynb"]
 
 NOTEBOOK_SOLUTIONS = {  # reference solutions of the exercise cells, by the cell's "exercise" metadata
     "01_flow_grpo_walkthrough.ipynb": {
@@ -1904,6 +1886,18 @@ def kl_per_transition(tr):
     mean = fgc.sde_step(tr.x, v, tr.t, tr.t_next, noise_level=args.sde_level, prev_sample=tr.x_next)[2]
     mean_ref = fgc.sde_step(tr.x, v_ref, tr.t, tr.t_next, noise_level=args.sde_level, prev_sample=tr.x_next)[2]
     return ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * tr.std**2)
+''',
+    },
+    "03_head_to_head.ipynb": {
+        "probability_of_improvement": '''
+def probability_of_improvement(x, y):
+    wins = (x[:, None] > y[None, :]).sum() + 0.5 * (x[:, None] == y[None, :]).sum()
+    return float(wins / (len(x) * len(y)))
+''',
+        "power": '''
+def power(s1, s2, n, epsilon, alpha=0.05):
+    nu = (s1**2 + s2**2) ** 2 * (n - 1) / (s1**4 + s2**4)
+    return float(1 - stats.t.cdf(stats.t.ppf(1 - alpha, nu) - epsilon / np.sqrt((s1**2 + s2**2) / n), nu))
 ''',
     },
     "02_credit_assignment_side_by_side.ipynb": {
@@ -1986,8 +1980,49 @@ def run_notebook(name: str) -> tuple[list[str], list[str]]:
     return shipped, solved
 
 
+COMMITTED_RECORDS = HERE / "assets" / "comparison"
+# each label's strict gains, in sixths (the first j of the six categories right, the base none right), seeds 0-2
+SYNTHETIC_SIXTHS = {"flow_grpo": [1, 2, 1], "stepwise": [2, 2, 3], "tempflow": [2, 3, 5], "g2rpo": [1, 1, 2],
+                    "chunk": [3, 4, 2], "g2rpo:granularities=1": [0, 1, 1], "chunk:chunks=paper": [2, 4, 3]}
+
+
+def synthetic_records(folder: Path) -> Path:
+    """A head-to-head folder of records with known gains: 2 held-out pairs a category; each run evaluates
+    one pair a category at iteration 1 and all twelve at iteration 2 (its end); forward passes per
+    iteration differ by method, so that "about equal forward passes" picks other evaluations."""
+    args = dataclasses.asdict(fgc.Args(eval_per_tag=2, iterations=2))
+    tags = [m["tag"] for m in fgc.eval_prompts(2)]
+
+    def evaluation(iteration, nfe, pairs, j):
+        strict = [int(p < 2 * j) for p in pairs]  # the first j categories right
+        categories = {f"eval_{t}": 0.5 + 0.1 * (t in tags[: 2 * j]) for t in fgc.TAGS}
+        return {"iteration": iteration, "nfe": nfe, "gain_strict": j / 6, "gain_strict_se": 0.01, "gain_overall": 0.1,
+                "gain_overall_se": 0.01, "eval_extra": 0.2, **categories,
+                "scores": {"pair": pairs, "strict": strict, "geneval": strict, "extra": [0] * len(pairs)}}
+
+    folder.mkdir(parents=True)
+    base = evaluation(0, 0, list(range(12)), 0) | {"eval_extra": 0.3, "seconds": 1.0}
+    (folder / "base.json").write_text(json.dumps(base))
+    passes = {"flow_grpo": 10, "stepwise": 20, "tempflow": 15, "g2rpo": 25, "chunk": 10}
+    for label, sixths in SYNTHETIC_SIXTHS.items():
+        for seed, j in enumerate(sixths):
+            cost = passes[label.split(":")[0]]
+            record = {"label": label, "seed": seed, "args": args, "iterations": 2, "nfe": 2 * cost, "seconds": 60.0,
+                      "threads": 1, "torch": torch.__version__, "cpu": "test", "code": "test", "reward_mean": [0, 0],
+                      "evaluations": [evaluation(1, cost, list(range(0, 12, 2)), j),
+                                      evaluation(2, 2 * cost, list(range(12)), j)]}
+            (folder / f"{label.replace(':', '+')}-seed{seed}.json").write_text(json.dumps(record))
+    return folder
+
+
+def test_the_committed_records_stay_within_3_mb():
+    assert sum(p.stat().st_size for p in COMMITTED_RECORDS.glob("*.json")) < 3e6
+
+
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_runs_and_its_exercise_checks_fail_as_shipped_and_pass_when_solved(name):
+def test_notebook_runs_and_its_exercise_checks_fail_as_shipped_and_pass_when_solved(name, tmp_path, monkeypatch):
+    if name.startswith("03") and not any(COMMITTED_RECORDS.glob("*-seed*.json")):  # until the runs are committed
+        monkeypatch.setenv("FGC_COMPARISON", str(synthetic_records(tmp_path / "comparison")))
     shipped, solved = run_notebook(name)
     assert all("✗" in out and "✓" not in out for out in shipped), shipped
     assert all("✓" in out and "✗" not in out for out in solved), solved
@@ -2026,3 +2061,34 @@ def test_tune_holds_out_other_lines_of_a_prompts_file_than_the_held_out_set(tmp_
     held_out = [m["prompt"] for m in fgc.prompt_sets(fgc.Args(prompts=str(path)))[1]]
     tuning = [m["prompt"] for m in fgc.prompt_sets(fgc.Args(prompts=str(path), tune=True))[1]]
     assert held_out == [f"prompt {i}" for i in (0, 10, 20, 30)] and tuning == [f"prompt {i}" for i in (5, 15, 25, 35)]
+
+
+def test_notebook_03_computes_a_method_s_interval_and_a_holm_adjusted_difference_as_worked_out_here(
+        tmp_path, monkeypatch):
+    """On records with known gains: tempflow's mean strict gain with Student's 95% interval, and its difference
+    from Flow-GRPO at equal iterations with Holm's adjusted p-value and interval over the four methods."""
+    import nbformat
+    from nbclient import NotebookClient
+    from scipy import stats
+
+    monkeypatch.setenv("FGC_COMPARISON", str(synthetic_records(tmp_path / "comparison")))
+    nb = nbformat.read(HERE / "notebooks" / "03_head_to_head.ipynb", as_version=4)
+    nb.cells = [c for c in nb.cells if not {"exercise", "check"} & set(c.metadata.get("tags", []))]
+    NotebookClient(nb, kernel_name="python3", timeout=600, resources={"metadata": {"path": str(HERE / "notebooks")}}
+                   ).execute()
+    text = (tmp_path / "comparison.md").read_text()
+    gains = np.array(SYNTHETIC_SIXTHS["tempflow"]) / 6  # 2/6, 3/6, 5/6
+    half = 4.303 * gains.std(ddof=1) / math.sqrt(3)  # Student's t of 2 degrees of freedom, 97.5%
+    low, high = gains.mean() - half, gains.mean() + half
+    assert f"| tempflow | 3 | **{gains.mean():+.3f}** [{low:+.3f}, {high:+.3f}] |" in text
+    sixths = {m: np.array(SYNTHETIC_SIXTHS[m]) - np.array(SYNTHETIC_SIXTHS["flow_grpo"])
+              for m in ("stepwise", "tempflow", "g2rpo", "chunk")}  # each seed's difference, in sixths
+    p = {m: 2 * stats.t.sf(abs(d.mean()) / (d.std(ddof=1) / math.sqrt(3)), 2) for m, d in sixths.items()}
+    order = sorted(p, key=p.get)  # Holm: the i-th smallest p-value times (4 - i), never below the one before
+    adjusted = dict(zip(order, np.maximum.accumulate([min(1, (4 - i) * p[m]) for i, m in enumerate(order)])))
+    rank = order.index("tempflow")
+    level = 1 - 0.05 / (4 - rank)
+    d = sixths["tempflow"] / 6  # 1, 1, 4 sixths
+    half = stats.t.ppf(1 - (1 - level) / 2, 2) * d.std(ddof=1) / math.sqrt(3)
+    assert (f"| tempflow − flow_grpo | equal iterations | **{d.mean():+.3f}** [{d.mean() - half:+.3f}, "
+            f"{d.mean() + half:+.3f}] | {level:.2%} | {adjusted['tempflow']:.3f} |") in text
