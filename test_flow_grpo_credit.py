@@ -2022,20 +2022,52 @@ def test_the_committed_records_stay_within_3_mb():
 
 def test_comparison_md_and_the_readme_show_each_label_s_interval_as_worked_out_from_the_committed_records():
     """Each label's mean end strict gain over its committed seeds, with Student's 95% t-interval worked out here, is
-    its row in the summary of assets/comparison.md (notebook 03's); the README shows that summary and the claims."""
+    its row in the summary of assets/comparison.md (notebook 03's), and each method's difference from Flow-GRPO at
+    equal iterations, with Holm's adjusted p-value and interval worked out here, is its row of the paired
+    differences. The README shows that summary and the claims."""
     from scipy import stats
 
     records = [json.loads(p.read_text()) for p in COMMITTED_RECORDS.glob("*-seed*.json")]
     text, readme = (HERE / "assets" / "comparison.md").read_text(), (HERE / "README.md").read_text()
-    summary, claims = (text.split(f"## {part}\n\n")[1].split("\n\n")[0] for part in ("Summary", "The papers' claims"))
-    labels = {r["label"] for r in records}
-    for label in labels:
-        gains = np.array([r["evaluations"][-1]["gain_strict"] for r in records if r["label"] == label])
-        half = stats.t.ppf(0.975, len(gains) - 1) * gains.std(ddof=1) / math.sqrt(len(gains))
-        shown = f"[{gains.mean() - half:+.3f}, {gains.mean() + half:+.3f}]" if len(gains) > 1 else "[one seed]"
-        assert f"| {label} | {len(gains)} | **{gains.mean():+.3f}** {shown} |" in summary, label
-    assert len(summary.splitlines()) == len(labels) + 2  # a header, a rule and a row a label
+    summary, claims, differences = (text.split(f"## {part}\n\n")[1].split("\n\n")[0]
+                                    for part in ("Summary", "The papers' claims", "Paired differences"))
+    gains = {}  # label -> {seed: end strict gain}
+    for r in records:
+        gains.setdefault(r["label"], {})[r["seed"]] = r["evaluations"][-1]["gain_strict"]
+    for label, by_seed in gains.items():
+        g = np.array(list(by_seed.values()))
+        half = stats.t.ppf(0.975, len(g) - 1) * g.std(ddof=1) / math.sqrt(len(g))
+        shown = f"[{g.mean() - half:+.3f}, {g.mean() + half:+.3f}]" if len(g) > 1 else "[one seed]"
+        assert f"| {label} | {len(g)} | **{g.mean():+.3f}** {shown} |" in summary, label
+    assert len(summary.splitlines()) == len(gains) + 2  # a header, a rule and a row a label
     assert summary in readme and claims in readme
+
+    # Each method against Flow-GRPO at equal iterations: per seed, the evaluations nearest the shorter run's end,
+    # their strict gains over the base on the held-out pairs both scored (the mean of the category means)
+    base = json.loads((COMMITTED_RECORDS / "base.json").read_text())
+    tags = [m["tag"] for m in fgc.prompt_sets(fgc.Args(**records[0]["args"]))[1]]  # each held-out pair's category
+    runs = {(r["label"], r["seed"]): r for r in records}
+
+    def strict_gain(evaluation, pairs):
+        after, before = (dict(zip(e["scores"]["pair"], e["scores"]["strict"])) for e in (evaluation, base))
+        return np.mean([np.mean([after[p] - before[p] for p in pairs if tags[p] == t]) for t in dict.fromkeys(tags)])
+
+    def difference(run, reference):
+        end = min(run["iterations"], reference["iterations"])
+        e, f = (min(r["evaluations"], key=lambda e: abs(e["iteration"] - end)) for r in (run, reference))
+        pairs = set(e["scores"]["pair"]) & set(f["scores"]["pair"])
+        return strict_gain(e, pairs) - strict_gain(f, pairs)
+
+    d = {m: np.array([difference(runs[m, s], runs["flow_grpo", s]) for s in gains[m] if s in gains["flow_grpo"]])
+         for m in ("stepwise", "tempflow", "g2rpo", "chunk") if m in gains}
+    p = {m: 2 * stats.t.sf(abs(x.mean()) / (x.std(ddof=1) / math.sqrt(len(x))), len(x) - 1) for m, x in d.items()}
+    order = sorted(p, key=p.get)  # Holm: the i-th smallest p-value times (m - i), never below the one before
+    adjusted = np.maximum.accumulate([min(1, (len(order) - i) * p[m]) for i, m in enumerate(order)])
+    for rank, m in enumerate(order):
+        level, x = 1 - 0.05 / (len(order) - rank), d[m]
+        half = stats.t.ppf(1 - (1 - level) / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
+        assert (f"| {m} − flow_grpo | equal iterations | **{x.mean():+.3f}** [{x.mean() - half:+.3f}, "
+                f"{x.mean() + half:+.3f}] | {level:.2%} | {adjusted[rank]:.3f} |") in differences, m
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
