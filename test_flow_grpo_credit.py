@@ -2020,6 +2020,24 @@ def test_the_committed_records_stay_within_3_mb():
     assert sum(p.stat().st_size for p in COMMITTED_RECORDS.glob("*.json")) < 3e6
 
 
+def holm_rows(differences: dict) -> dict[str, str]:
+    """Each method's row of notebook 03's paired differences, worked out here from its per-seed differences from
+    Flow-GRPO: the mean, the paired t-test's p-value, Holm's adjustment over the methods and each interval's level."""
+    from scipy import stats
+
+    p = {m: 2 * stats.t.sf(abs(x.mean()) / (x.std(ddof=1) / math.sqrt(len(x))), len(x) - 1)
+         for m, x in differences.items()}
+    order = sorted(p, key=p.get)  # Holm: the i-th smallest p-value times (m - i), never below the one before
+    adjusted = np.maximum.accumulate([min(1, (len(order) - i) * p[m]) for i, m in enumerate(order)])
+    rows = {}
+    for rank, m in enumerate(order):
+        level, x = 1 - 0.05 / (len(order) - rank), differences[m]
+        half = stats.t.ppf(1 - (1 - level) / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
+        rows[m] = (f"| {m} − flow_grpo | equal iterations | **{x.mean():+.3f}** [{x.mean() - half:+.3f}, "
+                   f"{x.mean() + half:+.3f}] | {level:.2%} | {adjusted[rank]:.3f} |")
+    return rows
+
+
 def test_comparison_md_and_the_readme_show_each_label_s_interval_as_worked_out_from_the_committed_records():
     """Each label's mean end strict gain over its committed seeds, with Student's 95% t-interval worked out here, is
     its row in the summary of assets/comparison.md (notebook 03's), and each method's difference from Flow-GRPO at
@@ -2060,14 +2078,8 @@ def test_comparison_md_and_the_readme_show_each_label_s_interval_as_worked_out_f
 
     d = {m: np.array([difference(runs[m, s], runs["flow_grpo", s]) for s in gains[m] if s in gains["flow_grpo"]])
          for m in ("stepwise", "tempflow", "g2rpo", "chunk") if m in gains}
-    p = {m: 2 * stats.t.sf(abs(x.mean()) / (x.std(ddof=1) / math.sqrt(len(x))), len(x) - 1) for m, x in d.items()}
-    order = sorted(p, key=p.get)  # Holm: the i-th smallest p-value times (m - i), never below the one before
-    adjusted = np.maximum.accumulate([min(1, (len(order) - i) * p[m]) for i, m in enumerate(order)])
-    for rank, m in enumerate(order):
-        level, x = 1 - 0.05 / (len(order) - rank), d[m]
-        half = stats.t.ppf(1 - (1 - level) / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
-        assert (f"| {m} − flow_grpo | equal iterations | **{x.mean():+.3f}** [{x.mean() - half:+.3f}, "
-                f"{x.mean() + half:+.3f}] | {level:.2%} | {adjusted[rank]:.3f} |") in differences, m
+    for m, row in holm_rows(d).items():
+        assert row in differences, m
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
@@ -2120,7 +2132,6 @@ def test_notebook_03_computes_a_method_s_interval_and_a_holm_adjusted_difference
     from Flow-GRPO at equal iterations with Holm's adjusted p-value and interval over the four methods."""
     import nbformat
     from nbclient import NotebookClient
-    from scipy import stats
 
     monkeypatch.setenv("FGC_COMPARISON", str(synthetic_records(tmp_path / "comparison")))
     nb = nbformat.read(HERE / "notebooks" / "03_head_to_head.ipynb", as_version=4)
@@ -2132,14 +2143,6 @@ def test_notebook_03_computes_a_method_s_interval_and_a_holm_adjusted_difference
     half = 4.303 * gains.std(ddof=1) / math.sqrt(3)  # Student's t of 2 degrees of freedom, 97.5%
     low, high = gains.mean() - half, gains.mean() + half
     assert f"| tempflow | 3 | **{gains.mean():+.3f}** [{low:+.3f}, {high:+.3f}] |" in text
-    sixths = {m: np.array(SYNTHETIC_SIXTHS[m]) - np.array(SYNTHETIC_SIXTHS["flow_grpo"])
-              for m in ("stepwise", "tempflow", "g2rpo", "chunk")}  # each seed's difference, in sixths
-    p = {m: 2 * stats.t.sf(abs(d.mean()) / (d.std(ddof=1) / math.sqrt(3)), 2) for m, d in sixths.items()}
-    order = sorted(p, key=p.get)  # Holm: the i-th smallest p-value times (4 - i), never below the one before
-    adjusted = dict(zip(order, np.maximum.accumulate([min(1, (4 - i) * p[m]) for i, m in enumerate(order)])))
-    rank = order.index("tempflow")
-    level = 1 - 0.05 / (4 - rank)
-    d = sixths["tempflow"] / 6  # 1, 1, 4 sixths
-    half = stats.t.ppf(1 - (1 - level) / 2, 2) * d.std(ddof=1) / math.sqrt(3)
-    assert (f"| tempflow − flow_grpo | equal iterations | **{d.mean():+.3f}** [{d.mean() - half:+.3f}, "
-            f"{d.mean() + half:+.3f}] | {level:.2%} | {adjusted['tempflow']:.3f} |") in text
+    differences = {m: (np.array(SYNTHETIC_SIXTHS[m]) - np.array(SYNTHETIC_SIXTHS["flow_grpo"])) / 6
+                   for m in ("stepwise", "tempflow", "g2rpo", "chunk")}  # each seed's; tempflow's 1, 1, 4 sixths
+    assert holm_rows(differences)["tempflow"] in text
