@@ -2146,3 +2146,9 @@ def test_notebook_03_computes_a_method_s_interval_and_a_holm_adjusted_difference
     differences = {m: (np.array(SYNTHETIC_SIXTHS[m]) - np.array(SYNTHETIC_SIXTHS["flow_grpo"])) / 6
                    for m in ("stepwise", "tempflow", "g2rpo", "chunk")}  # each seed's; tempflow's 1, 1, 4 sixths
     assert holm_rows(differences)["tempflow"] in text
+    # rliable's probability of improvement, over all pairs of runs: tempflow's 2, 3, 5 sixths beat Flow-GRPO's 1, 2, 1
+    # in 8 of the 9 pairs and tie in one (8.5 / 9). Its bootstrap interval reaches 1 (in over half the resamples every
+    # tempflow run beats every Flow-GRPO run) and cannot fall below 0.5 (the resample of 2 sixths on both sides)
+    row = next(line for line in text.splitlines() if line.startswith("| tempflow − flow_grpo | equal iterations |"))
+    value, low, high = map(float, re.search(r"\| ([\d.]+) \[([\d.]+), ([\d.]+)\] \| 3 of 3 \|$", row).groups())
+    assert value == round(8.5 / 9, 2) and high == 1.0 and 0.5 <= low <= value
