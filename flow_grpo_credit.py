@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import datetime
 import fcntl
@@ -198,6 +199,7 @@ class Args:
     # SDE (section 5)
     sde: str = "flow"  # SDE of the stochastic steps: flow (Flow-GRPO), ddim (Stepwise), cps (Flow-GRPO's CPS)
     noise_level: float = 0.0  # a of the flow SDE, eta of ddim and cps (0: the SDE's, 1.0, 1.0, 0.8; g2rpo 0.7)
+    min_std: float = 0.1  # a step trains only if its SDE std is at least this fraction of the median step's
 
     tweedie_substeps: int = 5  # stepwise: ODE sub-steps from each state to t=0 for its reward (1: plain Tweedie)
     seeds: int = 2  # tempflow: initial noises per prompt; each seed and branch point holds group_size branches
@@ -761,11 +763,13 @@ def step_stds(grid: torch.Tensor, args: Args) -> torch.Tensor:
     return sde_step(z, z, grid[:-1], grid[1:], kind=args.sde, noise_level=args.sde_level, noise=z)[3]
 
 def trainable_steps(grid: torch.Tensor, args: Args) -> torch.Tensor:
-    """(S,) bool: stochastic under the SDE (std > 0) and not the last step, as Flow-GRPO trains 0..S-2. The last step's
-    std is tiny (flow SDE: 0.009 on the toy's grid; ddim, cps: 0), so -log std rules its log-density and 1 / std its
-    score: it would outweigh every step and swing the ratio past any clip, moving the image by less than a pixel."""
-    n_steps = len(grid) - 1
-    return (step_stds(grid, args) > 0) & (torch.arange(n_steps) < n_steps - 1)
+    """(S,) bool: not the last step, as Flow-GRPO trains 0..S-2, and a std of at least `min_std` times the median
+    stochastic step's. A near-deterministic step (on the toy's grid the flow SDE's last, std 0.009; ddim's and cps's
+    step into t_{S-1}, 0.008) has -log std rule its log-density and 1 / std its score: its gradient is about 100 times
+    the median step's, outweighs every step and swings the ratio past any clip, moving the image by under a pixel."""
+    stds, n_steps = step_stds(grid, args), len(grid) - 1
+    floor = args.min_std * stds[stds > 0].median()
+    return (stds > 0) & (stds >= floor) & (torch.arange(n_steps) < n_steps - 1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1130,9 +1134,10 @@ def grpo_loss(policy, cond: dict, tr: Transitions, args: Args, whole: tuple | No
     clipped = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
     policy_terms = segment_mean(tr.weight, tr.chunk)[0] * torch.maximum(-adv * ratio, -adv * clipped)  # (K,)
     kl_terms = torch.zeros(len(tr), device=mean.device)  # (N,)
-    if args.beta > 0:
+    if args.beta > 0:  # the reference's mean is a constant; the policy's carries the KL's gradient
         with torch.no_grad(), adapter_disabled(policy.net):
-            kl_terms = gaussian_kl(mean, transition_log_probs(policy, cond, tr, args)[1], tr.std)
+            mean_ref = transition_log_probs(policy, cond, tr, args)[1]
+        kl_terms = gaussian_kl(mean, mean_ref, tr.std)
     loss = policy_terms.sum() / n_chunks + args.beta * kl_terms.sum() / n_transitions
     stats = {"policy_loss": policy_terms.mean(), "kl": kl_terms.mean(), "ratio_mean": ratio.mean(),
              "clipfrac": ((ratio - 1).abs() > args.clip_range).float().mean(), "approx_kl": (0.5 * log_ratio**2).mean()}
@@ -1175,20 +1180,29 @@ def accumulate_gradients(policy, cond: dict, mb: Transitions, args: Args) -> lis
 
 def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Generator, dist: Dist = Dist()) -> dict:
     """Inner PPO updates, the first on-policy (ratio 1): a shuffled `train_fraction` of the chunks in `inner_updates`
-    minibatches, one clipped AdamW step each; as in Flow-GRPO, advantage-0 transitions (equal rewards) are dropped."""
+    minibatches, one clipped AdamW step each; as in Flow-GRPO, advantage-0 transitions (equal rewards) are dropped.
+    A minibatch whose gradient is not finite undoes the whole update: the adapter and the optimizer go back to where
+    the iteration found them, and the result says `skipped` (with `trained`, the transitions that were computed)."""
     tr = tr[tr.advantage.cpu() != 0]
     ids = torch.unique(tr.chunk)
     order = ids[torch.randperm(len(ids), generator=gen)][: max(1, round(len(ids) * args.train_fraction))]
-    n_steps = int(dist.reduce(min(args.inner_updates, len(order)), "min"))
+    n_minibatches = int(dist.reduce(min(args.inner_updates, len(order)), "min"))
+    params = [p for p in policy.net.parameters() if p.requires_grad]  # the adapter
+    before = [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
     stats, norms, trained = [], [], 0
     policy.net.train()
-    for part in torch.tensor_split(order, n_steps) if n_steps else []:
+    for part in torch.tensor_split(order, n_minibatches) if n_minibatches else []:
         mb = tr[torch.isin(tr.chunk, part)]
         opt.zero_grad(set_to_none=True)
         stats, trained = stats + accumulate_gradients(policy, cond, mb, args), trained + len(mb)
-        norms.append(torch.nn.utils.clip_grad_norm_(policy.net.parameters(), args.max_grad_norm))  # the adapter's grads
-        if not torch.isfinite(norms[-1]):  # DDP's average carries a NaN to every rank: all skip together
-            stats = [{"skipped": torch.ones(())}]
+        norms.append(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
+        if not torch.isfinite(norms[-1]):  # DDP's average carries a NaN to every rank: all undo together
+            with torch.no_grad():
+                for p, kept in zip(params, before[0]):
+                    p.copy_(kept)
+            opt.zero_grad(set_to_none=True)
+            opt.load_state_dict(before[1])
+            stats = [{"skipped": torch.ones(()), "trained": torch.tensor(float(trained))}]
             break
         opt.step()
     policy.net.eval()
@@ -1227,8 +1241,8 @@ RULES = {  # what a valid value of each flag is, and how to tell
     ">= 2": (["group_size"], lambda v: v >= 2),
     ">= 3": (["steps"], lambda v: v >= 3),
     "> 0": (["clip_range", "max_grad_norm", "resolution"], lambda v: v > 0),
-    ">= 0": (["micro_batch", "noise_level", "extra_penalty", "beta", "lora_rank", "lora_alpha", "branch_steps",
-              "benchmark", "workers"], lambda v: v >= 0),
+    ">= 0": (["micro_batch", "noise_level", "min_std", "extra_penalty", "beta", "lora_rank", "lora_alpha",
+              "branch_steps", "benchmark", "workers"], lambda v: v >= 0),
     ">= 1": (["prompts_per_iter", "eval_steps", "eval_every", "eval_per_tag", "curve_per_tag", "inner_updates",
               "tweedie_substeps", "seeds", "num_chunks", "pretrain_steps", "checkpoint_every", "max_nonfinite"],
              lambda v: v >= 1),
@@ -1257,7 +1271,7 @@ def validate(args: Args) -> Args:
     trainable = trainable_steps(time_grid(args.steps), args)
     if not (trainable & (torch.arange(args.steps) < args.steps // 2 if args.method == "g2rpo" else True)).any():
         raise UsageError(f"--method {args.method} with --sde {args.sde} and --steps {args.steps} has no step to train "
-                         "(the last is never trained; g2rpo trains the first half); use more --steps")
+                         "(nor the last or a near-deterministic one; g2rpo trains the first half); use more --steps")
     parse_chunks(args.chunks, int(trainable.sum()))
     lams = parse_ints(args.granularities, "--granularities")
     if min(lams) < 1 or len(set(lams)) < len(lams):  # a repeated lambda would count its advantage twice
@@ -1380,13 +1394,13 @@ def train(args: Args, resume: str | None = None, run: Path | None = None, base_e
         finite = bool(dist.reduce(torch.isfinite(rewards).all() & torch.isfinite(transitions.advantage).all(), "min"))
         stats = (update(parts.policy, parts.opt, ctx.cond, transitions, args, ctx.gen, dist) if finite
                  else {"skipped": 1.0})
-        if stats.get("trained"):  # optimizer steps taken: their training (+ reference) passes count
-            meter.nfe += stats["trained"] * (2 if args.beta > 0 else 1) * parts.policy.passes
+        meter.nfe += int(stats.get("trained", 0)) * (2 if args.beta > 0 else 1) * parts.policy.passes  # (+ reference)
+        if stats.get("trained") and not stats.get("skipped"):  # optimizer steps were taken and kept
             ema.step(parts.params)
         wall += time.time() - start
         bad_in_row = bad_in_row + 1 if stats.get("skipped") else 0
         if bad_in_row and writer:
-            tqdm.write(f"warning: iteration {it}: non-finite rewards, advantages or loss; update skipped")
+            tqdm.write(f"warning: iteration {it}: non-finite rewards, advantages or gradient; update undone")
         if bad_in_row >= args.max_nonfinite:
             raise RunError(f"stopped at iteration {it}: {bad_in_row} iterations in a row had non-finite rewards, "
                            f"advantages or loss; the last good checkpoint is in {run}")

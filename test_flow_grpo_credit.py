@@ -328,7 +328,7 @@ def test_cps_step_is_the_official_formula_with_the_full_gaussian_log_prob():
     assert args.sde_level == fgc.SDE_LEVELS["cps"] and fgc.Args(sde="cps", noise_level=0.5).sde_level == 0.5
     grid = fgc.time_grid(6)
     torch.testing.assert_close(fgc.step_stds(grid, args), grid[1:] * math.sin(args.sde_level * math.pi / 2))
-    assert fgc.trainable_steps(grid, args).tolist() == [True] * 5 + [False]  # stochastic from t = 1 on
+    assert fgc.trainable_steps(grid, args).tolist() == [True] * 4 + [False] * 2  # from t = 1 on; std 0.001 into t_5
 
 
 def test_euler_with_true_velocity_lands_on_data_and_zero_noise_sde_is_ode():
@@ -692,6 +692,135 @@ def test_micro_batches_bound_every_pass_and_add_up_to_the_minibatch_gradient(met
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5 * scale)
     for p in params:
         p.grad = None
+
+
+def stated_objective(policy, cond, tr, args):
+    """The loss as the docstrings state it, written here from the formulas: the flow SDE's mean (Flow-GRPO Eq. 9)
+    of the guided velocity (its unconditional branch constant), log-probs by torch.distributions, a ratio a chunk,
+    mean_j w_j max(-A_j rho_j, -A_j clip(rho_j)) with A_j clamped, + beta mean_k KL(N(mu, s) || N(mu_ref, s))."""
+    def col(values):
+        return values.view(-1, 1, 1, 1)
+
+    def mean_of(v):
+        t, t_next, x, a = col(tr.t), col(tr.t_next), tr.x, args.sde_level
+        sigma = a * (t / (1 - torch.where(t >= 1, t_next, t))).sqrt()
+        return x - (t - t_next) * (v + sigma**2 / (2 * t) * (x + (1 - t) * v))
+
+    def velocity():
+        c = {k: e[tr.prompt] for k, e in cond.items()}
+        v = policy.forward(tr.x, tr.t, c)
+        if policy.cfg == 1.0:
+            return v
+        empty = {k: e.expand(len(tr), *e.shape[1:]) for k, e in policy.empty.items()}
+        v_uncond = policy.forward(tr.x, tr.t, empty).detach()
+        return v_uncond + policy.cfg * (v - v_uncond)
+
+    mean, std = mean_of(velocity()), col(tr.std)
+    log_prob = torch.distributions.Normal(mean, std).log_prob(tr.x_next).flatten(1).mean(1)
+    ids = torch.unique(tr.chunk).tolist()
+    objective = 0.0
+    for j in ids:
+        member = tr.chunk == j
+        ratio = torch.exp((log_prob[member] - tr.log_prob[member]).mean())
+        adv = tr.advantage[member][0].clamp(-args.adv_clip, args.adv_clip)
+        clipped = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
+        objective = objective + tr.weight[member][0] * torch.maximum(-adv * ratio, -adv * clipped) / len(ids)
+    if args.beta > 0:
+        with torch.no_grad(), fgc.adapter_disabled(policy.net):
+            mean_ref = mean_of(velocity())
+        kl = torch.distributions.kl_divergence(torch.distributions.Normal(mean, std),
+                                               torch.distributions.Normal(mean_ref, std)).flatten(1).mean(1)
+        objective = objective + args.beta * kl.mean()
+    return objective
+
+
+GRADIENT_CASES = {  # mechanism -> (method flags, what must hold of the transitions for the case to test something)
+    "surrogate, clip and advantage clip": {"adv_clip": 1.0},
+    "step weights": {"method": "tempflow", "branch_steps": 2},
+    "chunk ratios in micro-batches": {"method": "chunk", "chunks": "2,3", "micro_batch": 3},
+    "KL": {"beta": 0.5},
+    "CFG's detached branch": {"guidance": 3.0},
+}
+
+
+@pytest.mark.parametrize("case", list(GRADIENT_CASES))
+def test_the_gradient_applied_is_the_stated_objective_s(case):
+    """accumulate_gradients' gradient equals autograd's gradient of stated_objective, written independently above,
+    on transitions whose ratios straddle the clip (old log-probs moved by up to 2 eps) and whose advantages pass the
+    clamp; each case's mechanism is shown to move the gradient, so a path that no longer matches fails here."""
+    flags = GRADIENT_CASES[case]
+    ctx = ctx_for({k: v for k, v in flags.items() if k != "guidance"}, b=2)
+    if "guidance" in flags:
+        base = ctx.policy
+        ctx.policy = fgc.ToyPolicy(base.net, base.text_encoder, base.tokenizer, guidance=flags["guidance"])
+    tr, _ = fgc.CREDIT_ASSIGNMENT[ctx.args.method](ctx)
+    shift = (torch.rand(len(tr), generator=torch.Generator().manual_seed(0)) * 4 - 2) * ctx.args.clip_range
+    tr = dataclasses.replace(tr, log_prob=tr.log_prob + shift, advantage=tr.advantage * 1.5)
+    params = adapter_params(ctx.policy)
+
+    def gradient(fn, args):
+        for p in params:
+            p.grad = None
+        fn(args)
+        return torch.cat([p.grad.flatten() for p in params])
+
+    def code(args):
+        fgc.accumulate_gradients(ctx.policy, ctx.cond, tr, args)
+
+    def stated(args):
+        stated_objective(ctx.policy, ctx.cond, tr, args).backward()
+
+    got, expected = gradient(code, ctx.args), gradient(stated, ctx.args)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6 * float(expected.abs().max()))
+    _, stats = fgc.grpo_loss(ctx.policy, ctx.cond, tr, ctx.args)
+    assert 0 < stats["clipfrac"] < 1, "some ratios clipped, some not"
+    if case == "surrogate, clip and advantage clip":
+        assert (tr.advantage.abs() > ctx.args.adv_clip).any() and (tr.advantage.abs() < ctx.args.adv_clip).any()
+    plain = {"step weights": dict(weight=torch.ones_like(tr.weight)), "KL": None, "CFG's detached branch": None,
+             "chunk ratios in micro-batches": dict(chunk=torch.arange(len(tr)))}.get(case, {"advantage": tr.advantage})
+    if case == "KL":
+        without = gradient(stated, dataclasses.replace(ctx.args, beta=0.0))
+    elif case == "CFG's detached branch":
+        ctx.policy.cfg = 1.0
+        without = gradient(stated, ctx.args)
+    else:
+        tr = dataclasses.replace(tr, **plain) if plain != {"advantage": tr.advantage} else tr
+        without = gradient(stated, dataclasses.replace(ctx.args, adv_clip=100.0))
+    assert (without - expected).norm() > 0.05 * expected.norm(), f"{case} moves the gradient"
+    for p in params:
+        p.grad = None
+
+
+def test_a_run_at_a_larger_beta_ends_closer_to_the_reference(tiny_cache, tmp_path):
+    """--beta trains: the same run with a larger weight on the KL ends with a smaller KL to the reference."""
+    kl = {}
+    for beta in (1e-4, 10.0):
+        history = fgc.train(tiny_args(tiny_cache, tmp_path / str(beta), iterations=6, group_size=4, inner_updates=4,
+                                      lr=1e-2, beta=beta, eval_every=10, checkpoint_every=10))
+        kl[beta] = [h["kl"] for h in history if "kl" in h]
+    assert kl[10.0][-1] < 0.25 * kl[1e-4][-1], kl
+
+
+def test_trained_steps_under_every_sde_leave_out_near_deterministic_ones():
+    """On the toy's grid each SDE trains its stochastic steps but the last and any whose std is below a tenth of
+    the median step's (ddim's and cps's step into t_{S-1}): no trained step's log-prob gradient is over 10x the
+    median step's, where those left out for their std pass 50x."""
+    grid = fgc.time_grid(10, shift=3.0)
+    expected = {"flow": range(0, 9), "ddim": range(1, 8), "cps": range(0, 8)}
+    for sde, steps in expected.items():
+        args = fgc.Args(sde=sde)
+        trained = fgc.trainable_steps(grid, args)
+        assert torch.nonzero(trained).flatten().tolist() == list(steps), sde
+        norms = []
+        for k in range(10):  # d log_prob / d v of one sample a step: the score's size
+            gen = torch.Generator().manual_seed(k)
+            x, v = torch.randn(4, 3, 16, 16, generator=gen), torch.randn(4, 3, 16, 16, generator=gen).requires_grad_()
+            log_prob = fgc.sde_step(x, v, grid[k], grid[k + 1], kind=sde, noise_level=args.sde_level, generator=gen)[1]
+            log_prob.sum().backward()
+            norms.append(float(v.grad.norm()))
+        ratio = torch.tensor(norms) / torch.tensor(norms)[trained].median()
+        by_std = (fgc.step_stds(grid, args) > 0) & ~trained & (torch.arange(10) < 9)  # left out for their std
+        assert ratio[trained].max() < 10 and (ratio[by_std] > 50).all() and by_std.any() == (sde != "flow"), ratio
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1173,6 +1302,45 @@ def test_non_finite_rewards_skip_updates_and_then_stop(tiny_cache, tmp_path, mon
         fgc.train(tiny_args(tiny_cache, tmp_path / "always", iterations=5))
     run = next((tmp_path / "always").iterdir())
     assert not (run / "checkpoint.pt").exists(), "no checkpoint from a poisoned state"
+
+
+def test_a_non_finite_gradient_mid_update_leaves_the_model_and_the_optimizer_as_they_were(
+        tiny_cache, tmp_path, monkeypatch):
+    """A NaN in the gradient of iteration 2's third minibatch undoes that iteration's update: the adapter, Adam's
+    step counts and moments and the moving average stay as iteration 1 left them; nfe counts the passes computed."""
+    real_accumulate, real_update, seen = fgc.accumulate_gradients, fgc.update, []
+
+    def poisoned(policy, cond, mb, args):
+        stats = real_accumulate(policy, cond, mb, args)
+        seen[-1]["minibatches"].append(len(mb))
+        if len(seen) == 2 and len(seen[-1]["minibatches"]) == 3:
+            next(p for p in policy.net.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+        return stats
+
+    def state(policy, opt):
+        params = adapter_params(policy)
+        moments = [opt.state[p][k].clone() for p in params if p in opt.state for k in ("step", "exp_avg", "exp_avg_sq")]
+        return [p.detach().clone() for p in params] + moments
+
+    def watched(policy, opt, *rest):
+        seen.append({"before": state(policy, opt), "minibatches": []})
+        stats = real_update(policy, opt, *rest)
+        seen[-1] |= {"after": state(policy, opt), "stats": stats}
+        return stats
+
+    monkeypatch.setattr(fgc, "accumulate_gradients", poisoned)
+    monkeypatch.setattr(fgc, "update", watched)
+    history = fgc.train(tiny_args(tiny_cache, tmp_path, group_size=4, eval_every=10, checkpoint_every=10))
+    first, poisoned_update, last = seen
+    assert len(poisoned_update["minibatches"]) == 3 and len(first["minibatches"]) == 8
+    assert all(torch.equal(a, b) for a, b in zip(poisoned_update["before"], poisoned_update["after"]))
+    assert not all(torch.equal(a, b) for a, b in zip(last["before"], last["after"])), "the next update trains"
+    assert poisoned_update["stats"] == {"skipped": 1.0, "trained": sum(poisoned_update["minibatches"])}
+    steps = [h for h in history if "reward_mean" in h]
+    sampling = 2 * 4 * 4  # 2 prompts x group 4, 4 steps
+    assert steps[1]["nfe"] - steps[0]["nfe"] == sampling + sum(poisoned_update["minibatches"])
+    ema = torch.load(next(tmp_path.iterdir()) / "checkpoint.pt", weights_only=True)["ema"]
+    assert ema["optimization_step"] == 2, "iterations 1 and 3 step the moving average, iteration 2 does not"
 
 
 def test_a_run_counts_groups_with_equal_rewards_and_trains_only_the_others(tiny_run):
