@@ -9,17 +9,22 @@ loss (8), to be read next to the papers.
     g2rpo      G2RPO               arXiv 2510.01982  one SDE step from a shared anchor, multi-granularity
     chunk      Chunk-GRPO          arXiv 2510.21583  one importance ratio per chunk of steps
 
-Reading path, one Flow-GRPO iteration: train (9) -> iteration_context -> flow_grpo (7): rollout (6), sde_step (5) at
-    each step; Context.reward (4); group_normalise (7) -> transitions_from (6) -> update (8): accumulate_gradients ->
-    grpo_loss -> transition_log_probs (sde_step at the stored x_{k+1}) -> AdamW -> the adapter's moving average (9).
+Reading path: one Flow-GRPO iteration, each function in the order the code calls it (section in brackets)
+    `train` (9) -> `iteration_context` (9) -> `flow_grpo` (7) -> `initial_noise` (6) -> `Context.sample` (6) ->
+    `rollout` (6), which calls `Policy.velocity` (3) and `sde_step` (5) at each step -> `Context.reward` (6) ->
+    `Context.advantages` (6) -> `group_normalise` (6) -> `transitions_from` (6) -> `update` (8) ->
+    `accumulate_gradients` (8) -> `grpo_loss` (8) -> `transition_log_probs` (8), `sde_step` at the stored x[k+1] ->
+    `chunk_log_ratios` (8) -> AdamW's step -> the moving average's -> `RunFolder.log` (9) -> `RunFolder.evaluate` (9).
 
-Paper symbols and their names here (x_t = (1 - t) x0 + t x1: t = 1 is noise, t = 0 data; the model predicts v = x1 - x0)
-    k, its direction  transition k: t_k -> t_{k+1} on the grid 1 = t_0 > ... > t_S = 0, counting UP from the noise x_0;
-                      the papers count DOWN to their image x_0 (or r_0): Stepwise's g_t = r_{t-1} - r_t is gain[:, k]
+Paper symbols and their names here. x_t = (1 - t) x0 + t x1, x0 the image, x1 the noise: t = 1 is noise, t = 0 data; the
+model predicts v = x1 - x0. The states of a trajectory are x[k] (`states[:, k]`), k = 0..S along the time grid
+1 = t_0 > ... > t_S = 0: x[0] is the noise, x[S] the image.
+    k, its direction  transition k: x[k] -> x[k+1], t_k -> t_{k+1}, counting UP from the noise; the papers count DOWN
+                      to their image (their x_0, r_0): Stepwise's g_t = r_{t-1} - r_t is gain[:, k]
     Delta_k           `dt` = t_k - t_{k+1} > 0 (Flow-GRPO's code: sigma_prev - sigma < 0, the same step)
     sigma_t           the flow SDE's a sqrt(t / (1 - t)), with a = `noise_level` (eta of ddim and cps): sde_step
     s_k               `std`, the transition's std: sigma_t sqrt(Delta_k) under the flow SDE (step_stds)
-    x0_hat, x1_hat    Tweedie's x_t - t v and x_t + (1 - t) v: sde_step; Stepwise's `tweedie_x0` adds ODE sub-steps
+    x0_hat, x1_hat    Tweedie's x_t - t v and x_t + (1 - t) v: sde_step; Stepwise's `x0_estimate` adds ODE sub-steps
     A_i (A_i^k)       `advantage`: group_normalise of rewards r (or gains), per image (or per step)
     rho               `ratio` in grpo_loss; `r` is always a reward
     B, G, S           `b` prompts, `g` images per group (or branches), `n_steps` steps; N transitions, K chunks
@@ -45,7 +50,11 @@ Deviations from the papers and official codes, cited as "Deviation n" where the 
        variation equally; `paper` scales v1's and GCPO code's [2,3,4,7] of 16 steps (GCPO's paper: the profile's slope
        signs, in no released code). All chunks train (code: 2 of 4, `--chunk-fraction 0.5`); the reward scores the
        final state (code: x0_hat of the last step); each image has its own noise (code: one per GPU, 2 prompts x 12).
-   10. The cps SDE keeps the full Gaussian log-density; the official code drops its constants and 1/(2s^2).
+   10. The cps SDE keeps the full Gaussian log-density; the official code drops its constants and 1/(2s^2), so there a
+       near-deterministic step's gradient is not scaled up; here no step with std under `min_std` of the median trains.
+   11. Stepwise's reward of a state scores x0_hat from `tweedie_substeps` (5) Euler steps to t = 0, as the paper's
+       T' = 5 ODE sub-steps (Fig. 10, robust to 2-8); their spacing is unstated: here uniform in t, with the
+       sampler's guidance. `--tweedie-substeps 1` is Tweedie's one-step x0_hat = x - t v.
 """
 from __future__ import annotations
 
@@ -66,7 +75,6 @@ import sys
 import textwrap
 import time
 import warnings
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,24 +92,20 @@ class UsageError(ValueError):
 class RunError(RuntimeError):
     """A run that cannot go on (e.g. non-finite rewards again and again): one line, exit status 1."""
 
-def stable_seed(*parts) -> int:
-    """A seed from any printable parts that is the same on every machine and Python run."""
-    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:4], "little")
+def stable_seed(*keys) -> int:
+    """A seed from any printable keys that is the same on every machine and Python run."""
+    return int.from_bytes(hashlib.sha256("/".join(map(str, keys)).encode()).digest()[:4], "little")
 
-def generator(*parts) -> torch.Generator:
-    """A CPU generator seeded from `parts`: its draws are the same whatever device they move to."""
-    return torch.Generator().manual_seed(stable_seed(*parts))
+def generator(*keys) -> torch.Generator:
+    """A CPU generator seeded from `keys`: its draws are the same whatever device they move to."""
+    return torch.Generator().manual_seed(stable_seed(*keys))
 
-def parse_ints(text: str, flag: str, example: str = "1,2,3", seeds: bool = False) -> list[int]:
-    """'1,2,3' -> [1, 2, 3]. A set of `seeds` also takes inclusive ranges ('0-2,5' -> [0, 1, 2, 5]), no seed twice."""
+def parse_ints(text: str, flag: str, example: str = "1,2,3") -> list[int]:
+    """'1,2,3' -> [1, 2, 3], or a UsageError naming the flag."""
     try:
-        bounds = [[int(b) for b in (part.split("-") if seeds else [part])] for part in text.split(",")]
-        ints = [i for b in bounds for i in range(b[0], b[-1] + 1)]
-        if any(len(b) > 2 or b[0] > b[-1] for b in bounds) or (seeds and len(set(ints)) < len(ints)):
-            raise ValueError
-        return ints
+        return [int(item) for item in text.split(",")]
     except ValueError:
-        raise UsageError(f"{flag} must be {'distinct ' * seeds}integers like {example}, got {text!r}") from None
+        raise UsageError(f"{flag} must be integers like {example}, got {text!r}") from None
 
 def segment_mean(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-id means of values (N,) -> (means (K,) in sorted id order, inverse (N,)); means[inverse] is each value's."""
@@ -142,9 +146,9 @@ class Dist:
         """(N, ...) on each rank -> (world*N, ...) in rank order."""
         if self.world == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.world)]
-        torch.distributed.all_gather(parts, x.contiguous())
-        return torch.cat(parts)
+        per_rank = [torch.empty_like(x) for _ in range(self.world)]
+        torch.distributed.all_gather(per_rank, x.contiguous())
+        return torch.cat(per_rank)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -156,7 +160,7 @@ SDE_LEVELS = {"flow": 1.0, "ddim": 1.0, "cps": 0.8}  # each SDE and its default 
 class Args:
     """Every tunable number of a run. The comment after each field is its --help text."""
 
-    method: str = "flow_grpo"  # flow_grpo, stepwise, tempflow, g2rpo, chunk; all or a list a,b,c:flag=value compares
+    method: str = "flow_grpo"  # flow_grpo, stepwise, tempflow, g2rpo or chunk
     model: str = "toy"  # 'toy' (the embedded shapes world), or a diffusers folder / hub id of SD3, SD3.5, FLUX.1
     reward: str = "auto"  # toy-strict, toy, pickscore, clip or a sum clip:0.3,pickscore:1 (auto: toy-strict/pickscore)
     reward_model: str = ""  # CLIP model of pickscore/clip, a path or hub id; name=path,... for a sum
@@ -175,10 +179,12 @@ class Args:
     eval_per_tag: int = 256  # held-out evaluation prompts (each with its own noise) per GenEval category
     curve_per_tag: int = 32  # of these, those evaluated between the start and the end (the curves' points)
     out: str = "runs"  # folder that receives one sub-folder per run
+    run: str = ""  # the run's folder: new, resumed from its checkpoint, or finished (default: OUT/METHOD-seedN-TIME)
     seed: int = 0  # seed of the whole run (prompts, noise, LoRA init)
     device: str = "auto"  # auto, cpu or cuda
     pretrain: bool = False  # toy: pretrain the base model here (cached) instead of loading the shipped weights
     cache_dir: str = ""  # where --pretrain caches the toy model (default: $XDG_CACHE_HOME/flow_grpo_credit)
+    base_cache: bool = True  # reuse this machine's evaluation of the base, kept in the cache folder
     tune: bool = False  # evaluate on tuning prompts and noise, never the held-out set's: for choosing flags
 
     # GRPO and optimisation (Deviation 4)
@@ -214,8 +220,6 @@ class Args:
 
     checkpoint_every: int = 10  # write checkpoint.pt every N iterations (and at the end); --resume RUN_DIR continues
     max_nonfinite: int = 3  # stop after this many iterations in a row with non-finite rewards, advantages or loss
-    compare_seeds: str = "0"  # with --method all (or a list a,b): the seeds every method runs with, e.g. 0-11
-    workers: int = 0  # head-to-head: processes of one thread sharing its runs (0: one per CPU core, 1 on CUDA)
     benchmark: int = 0  # time N iterations (after a warm-up one): seconds per phase, images per second, memory
 
     @property
@@ -349,26 +353,26 @@ def score_image(img: np.ndarray, meta: dict) -> dict:
     missing  asked objects whose class is not found (per include item, count minus those of its class)."""
     dets = detect(img)
     by_class = {c: [d for d in dets if d.cls == c] for c in CLASSES}
-    ok, parts = True, []
+    ok, credits = True, []
     for item in meta["include"]:
         n, of_class = item["count"], by_class[item["class"]]
         matching = [d for d in of_class if item.get("color") in (None, d.color)]
         ok &= len(matching) >= n
-        part = 0.5 * min(len(of_class), n) / n + 0.5 * min(len(matching), n) / n
+        credit = 0.5 * min(len(of_class), n) / n + 0.5 * min(len(matching), n) / n
         if item.get("position"):
             rel, anchors = item["position"][0], by_class[meta["include"][item["position"][1]]["class"]]
             related = any(rel in relations((d.centre, d.size), (a.centre, a.size)) for d in matching for a in anchors)
             ok &= related
-            part = 0.5 * part + 0.5 * related
-        parts.append(part)
+            credit = 0.5 * credit + 0.5 * related
+        credits.append(credit)
     for item in meta.get("exclude", []):
         n_found = len(by_class[item["class"]])
         ok &= n_found < item["count"]
         if n_found >= item["count"]:  # too many: shrink the matching include item's credit
-            parts = [p * (item["count"] - 1) / n_found for p in parts]
+            credits = [c * (item["count"] - 1) / n_found for c in credits]
     extra = max(0, len(dets) - sum(item["count"] for item in meta["include"]))
     missing = sum(max(0, item["count"] - len(by_class[item["class"]])) for item in meta["include"])
-    return {"geneval": float(ok), "dense": float(np.mean(parts)), "strict": float(ok and not extra), "extra": extra,
+    return {"geneval": float(ok), "dense": float(np.mean(credits)), "strict": float(ok and not extra), "extra": extra,
             "missing": missing}
 
 def score_batch(images: torch.Tensor, metas: list[dict]) -> dict[str, torch.Tensor]:
@@ -466,7 +470,7 @@ class ToyPolicy(Policy):
 
     def time_grid(self, steps: int) -> torch.Tensor:
         """SD3.5's grid, shift 3: six of ten steps above t = 0.7, where a 5 x 5 shape is decided (notebook 02)."""
-        return time_grid(steps, shift=3.0)
+        return shifted_grid(steps, shift=3.0)
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         return ((x.float() + 1) / 2).clamp(0, 1)  # (N, 3, RES, RES) in [0, 1]
@@ -474,7 +478,7 @@ class ToyPolicy(Policy):
 def pretrain_toy(steps: int, device, batch: int = 64, lr: float = 2e-3, detailed: float = 0.5, unnamed: float = 0.3):
     """Rectified-flow pretraining on rendered shapes: |v(x_t, t, c) - (x1 - x0)|^2, logit-normal t (as SD3), 10% empty
     captions for CFG, a `detailed` share of captions that name every colour, an EMA (0.99) of the weights. Seeded.
-    -> the parts by name.
+    -> the modules by name.
 
     The base's one flaw, on purpose: `unnamed` (30%) of the images hold one more object, of a class the
     caption does not name, as web alt-text leaves objects out. The base then adds an unasked object to about a
@@ -508,18 +512,24 @@ def pretrain_toy(steps: int, device, batch: int = 64, lr: float = 2e-3, detailed
 
 TOY_BASE = Path(__file__).resolve().parent / "assets" / "toy_base"  # the shipped base: pretrain_toy's output
 
+def cache_folder(args: Args) -> Path:
+    """--cache-dir, or $XDG_CACHE_HOME/flow_grpo_credit: pretrained toy models and the base's evaluations."""
+    return Path(args.cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flow_grpo_credit")
+
+def toy_folder(args: Args) -> Path:
+    return cache_folder(args) / f"toy-res{RES}-steps{args.pretrain_steps}-v5" if args.pretrain else TOY_BASE
+
 def load_toy(args: Args, device) -> ToyPolicy:
     """The shipped toy base model, or with --pretrain the cached one, pretraining it first if absent."""
     from diffusers import UNet2DConditionModel
     from transformers import CLIPTextModel, PreTrainedTokenizerFast
-    cache = Path(args.cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flow_grpo_credit")
-    folder = cache / f"toy-res{RES}-steps{args.pretrain_steps}-v5" if args.pretrain else TOY_BASE
+    folder = toy_folder(args)
     if not folder.exists():  # it appears whole, renamed from a temporary folder
-        start, parts = time.time(), pretrain_toy(args.pretrain_steps, device)
+        start, modules = time.time(), pretrain_toy(args.pretrain_steps, device)
         print(f"pretrained the toy model in {time.time() - start:.0f} s; cached in {folder}")
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        for name, part in parts.items():
-            part.save_pretrained(tmp / name)
+        for name, module in modules.items():
+            module.save_pretrained(tmp / name)
         if not folder.exists():  # another process may have finished first; its copy is as good
             tmp.replace(folder)
     # every run loads what was saved, so that it starts from bit-identical weights
@@ -577,14 +587,14 @@ class PipelinePolicy(Policy):
         if new := [p for p in dict.fromkeys(prompts) if p not in found]:
             self.encoders.to(self.device)  # --low-memory keeps them on the CPU between uses
             size = self.args.micro_batch or len(new)
-            for part in (new[i:i + size] for i in range(0, len(new), size)):
+            for batch in (new[i:i + size] for i in range(0, len(new), size)):
                 if self.flux:
-                    emb, pool, _ = self.pipe.encode_prompt(part, part, self.device, max_sequence_length=512)
+                    emb, pool, _ = self.pipe.encode_prompt(batch, batch, self.device, max_sequence_length=512)
                 else:  # the negative prompt "" is `empty`, encoded as a prompt of its own
-                    emb, _, pool, _ = self.pipe.encode_prompt(part, part, part, self.device,
+                    emb, _, pool, _ = self.pipe.encode_prompt(batch, batch, batch, self.device,
                                                               do_classifier_free_guidance=False)
                 found |= {p: {"encoder_hidden_states": e, "pooled_projections": q}
-                          for p, e, q in zip(part, emb.cpu(), pool.cpu())}
+                          for p, e, q in zip(batch, emb.cpu(), pool.cpu())}
             self.encoders.to("cpu" if self.args.low_memory else self.device)
         self.cache.update(found)  # the prompts just used become the most recent
         while len(self.cache) > self.cache_size:
@@ -609,7 +619,7 @@ class PipelinePolicy(Policy):
         if self.flux:
             x = self.pipe._unpack_latents(x, self.size, self.size, self.pipe.vae_scale_factor)
         x = x / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-        images = [vae.decode(part.to(vae.dtype)).sample.float() for part in x.split(self.args.micro_batch or 8)]
+        images = [vae.decode(batch.to(vae.dtype)).sample.float() for batch in x.split(self.args.micro_batch or 8)]
         return torch.cat(images).add(1).div(2).clamp(0, 1)
 
 def load_policy(args: Args, device) -> Policy:
@@ -680,7 +690,7 @@ def clip_reward(kind: str, model: str, device):
 
 def parse_reward(spec: str) -> list[tuple[str, float]]:
     """'pickscore:0.7,clip:0.3' -> [('pickscore', 0.7), ('clip', 0.3)]; a bare name weighs 1."""
-    terms = [part.strip().partition(":") for part in spec.split(",")]  # (name, ":", weight)
+    terms = [term.strip().partition(":") for term in spec.split(",")]  # (name, ":", weight)
     if unknown := [name for name, _, _ in terms if name not in REWARD_NAMES]:
         raise UsageError(f"--reward {spec!r}: unknown reward {unknown[0]!r}; choose {', '.join(REWARD_NAMES)} "
                          "or a sum like pickscore:0.7,clip:0.3")
@@ -713,11 +723,11 @@ def _as_column(t, x: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(t, dtype=torch.float32, device=x.device).reshape(-1, *ones).expand(x.shape[0], *ones)
 
 def ode_step(x: torch.Tensor, v: torch.Tensor, t, t_next) -> torch.Tensor:
-    """Euler step of the probability-flow ODE: x_{k+1} = x_k - (t_k - t_{k+1}) v."""
+    """Euler step of the probability-flow ODE: x[k+1] = x[k] - (t_k - t_{k+1}) v."""
     return x + (_as_column(t_next, x) - _as_column(t, x)) * v
 
 def sde_step(x, v, t, t_next, *, kind="flow", noise_level=None, noise=None, prev_sample=None, generator=None):
-    """One SDE step x_k -> x_{k+1} ~ N(mean, std^2 I), dt = t - t_next -> (x_next, log_prob (B,), mean, std (B,)):
+    """One SDE step x[k] -> x[k+1] ~ N(mean, std^2 I), dt = t - t_next -> (x_next, log_prob (B,), mean, std (B,)):
     flow (Flow-GRPO, arXiv 2505.05470 Eq. 9): sigma_t = a sqrt(t / (1 - t)) (t_next in the denominator at t = 1,
          as the official code), mean = x - dt [v + sigma_t^2 / (2t) x1_hat], std = sigma_t sqrt(dt);
     ddim (Stepwise, arXiv 2603.28718 Eq. 8), std = eta t_next sqrt(1 - t), and cps (Flow-GRPO's code, sde_type='cps',
@@ -736,6 +746,7 @@ def sde_step(x, v, t, t_next, *, kind="flow", noise_level=None, noise=None, prev
         std = sigma_t * torch.sqrt(t_ - tn)
     else:
         std = noise_level * tn * torch.sqrt(1 - t_) if kind == "ddim" else tn * math.sin(noise_level * math.pi / 2)
+        # ddim: std 0 at t = 1, the first step deterministic and never trained (Deviation 5)
         mean = (1 - tn) * x0_hat + torch.sqrt((tn**2 - std**2).clamp_min(0)) * x1_hat
     if prev_sample is None:
         noise = torch.randn(x.shape, generator=generator) if noise is None else noise  # on the CPU, moved below
@@ -750,7 +761,7 @@ def gaussian_kl(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor) -
     safe = torch.where(std > 0, std, torch.ones_like(std)).reshape(-1, *([1] * (mean.dim() - 1)))
     return ((mean - mean_ref) ** 2 / (2 * safe**2)).flatten(1).mean(1) * (std > 0)
 
-def time_grid(steps: int, shift: float = 1.0) -> torch.Tensor:
+def shifted_grid(steps: int, shift: float = 1.0) -> torch.Tensor:
     """(steps + 1,) times from 1 to 0 as diffusers' FlowMatchEulerDiscreteScheduler sets them."""
     from diffusers import FlowMatchEulerDiscreteScheduler
     scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
@@ -798,10 +809,10 @@ def rollout(policy, cond: dict, x: torch.Tensor, times: torch.Tensor, stochastic
     b = x.shape[0]
     times = times.expand(b, -1).to(x.device)  # (B, S+1)
     states, steps = [x], []
-    parts = torch.arange(b, device=x.device).split(args.micro_batch or b)  # forward passes of micro_batch samples
+    batches = torch.arange(b, device=x.device).split(args.micro_batch or b)  # forward passes of micro_batch samples
     for k in range(times.shape[1] - 1):
         t, t_next = times[:, k], times[:, k + 1]
-        v = torch.cat([policy.velocity(x[i], t[i], {n: c[i] for n, c in cond.items()}) for i in parts])
+        v = torch.cat([policy.velocity(x[i], t[i], {n: c[i] for n, c in cond.items()}) for i in batches])
         meter.nfe += b * policy.passes
         if stochastic[k]:
             x, log_prob, _, std = sde_step(x, v, t, t_next, kind=args.sde, noise_level=args.sde_level, generator=gen)
@@ -829,7 +840,7 @@ class Transitions:
     advantage: torch.Tensor  # (N,)
     weight: torch.Tensor  # (N,)
     prompt: torch.Tensor  # (N,) long, CPU: index into this iteration's prompts
-    chunk: torch.Tensor  # (N,) long, CPU: transitions with the same id share one ratio
+    chunk_id: torch.Tensor  # (N,) long, CPU: transitions with the same id share one ratio
     step: torch.Tensor  # (N,) long, CPU: index k of the transition on the base grid
 
     def __len__(self) -> int:
@@ -841,18 +852,18 @@ class Transitions:
         return Transitions(**{name: value[idx.to(value.device)] for name, value in vars(self).items()})
 
     @staticmethod
-    def cat(parts: list["Transitions"]) -> "Transitions":
-        """Concatenation that keeps every part's chunks apart."""
-        offsets = np.cumsum([0] + [int(p.chunk.max()) + 1 if len(p) else 0 for p in parts[:-1]])
-        parts = [dataclasses.replace(p, chunk=p.chunk + int(o)) for p, o in zip(parts, offsets)]
-        return Transitions(**{name: torch.cat([vars(p)[name] for p in parts]) for name in vars(parts[0])})
+    def cat(batches: list["Transitions"]) -> "Transitions":
+        """Concatenation that keeps every batch's chunks apart."""
+        offsets = np.cumsum([0] + [int(b.chunk_id.max()) + 1 if len(b) else 0 for b in batches[:-1]])
+        batches = [dataclasses.replace(b, chunk_id=b.chunk_id + int(o)) for b, o in zip(batches, offsets)]
+        return Transitions(**{name: torch.cat([vars(b)[name] for b in batches]) for name in vars(batches[0])})
 
-def transitions_from(traj: Trajectory, prompt: torch.Tensor, advantage, trained, *, weight=1.0, chunk=None,
+def transitions_from(traj: Trajectory, prompt: torch.Tensor, advantage, train_mask, *, weight=1.0, chunk_id=None,
                      first_step: int = 0) -> Transitions:
-    """The trained transitions of a trajectory batch. advantage, weight, chunk: a number, (S,), (B, 1) or
-    (B, S); trained: (S,) or (B, S) bool; first_step: base-grid index of the first transition."""
+    """The trained transitions of a trajectory batch. advantage, weight, chunk_id: a number, (S,), (B, 1) or
+    (B, S); train_mask: (S,) or (B, S) bool; first_step: base-grid index of the first transition."""
     b, n_steps = traj.log_probs.shape
-    keep = torch.as_tensor(trained).expand(b, n_steps).flatten().nonzero().flatten()  # (N,) CPU indices of B*S steps
+    keep = torch.as_tensor(train_mask).expand(b, n_steps).flatten().nonzero().flatten()  # (N,) CPU indices of B*S steps
 
     def pick(value, on=traj.states.device):  # a number, (S,), (B, 1), (B, S) or (B, S, ...) -> (N, ...)
         value = torch.as_tensor(value).to(on)
@@ -863,7 +874,16 @@ def transitions_from(traj: Trajectory, prompt: torch.Tensor, advantage, trained,
         t_next=pick(traj.times[:, 1:]), log_prob=pick(traj.log_probs), std=pick(traj.stds),
         advantage=pick(advantage).float(), weight=pick(weight),
         prompt=pick(prompt[:, None], "cpu"), step=pick(torch.arange(n_steps) + first_step, "cpu"),
-        chunk=pick(torch.arange(b * n_steps).view(b, n_steps) if chunk is None else chunk, "cpu"))
+        chunk_id=pick(torch.arange(b * n_steps).view(b, n_steps) if chunk_id is None else chunk_id, "cpu"))
+
+def group_normalise(r: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO's advantage A_i = (r_i - mean_g r) / (std_g r + 1e-4), population std (Deviation 3): r, group (N,) ->
+    (A (N,), flat (groups,)). float64 keeps equal rewards' std exactly 0 (float32 leaves 3e-8 for 8 x 1/3): A = 0."""
+    r64 = r.double()
+    mean, inv = segment_mean(r64, group)
+    std = segment_mean((r64 - mean[inv]) ** 2, group)[0].sqrt()
+    adv = torch.where(std[inv] == 0, torch.zeros_like(r64), (r64 - mean[inv]) / (std[inv] + 1e-4))
+    return adv.to(r.dtype), std == 0
 
 @dataclass
 class Context:
@@ -892,7 +912,8 @@ class Context:
         """Embeddings of prompt ids `prompt` (N,) -> (N, ...) on the device."""
         return {k: e[prompt.to(e.device)] for k, e in self.cond.items()}
 
-    def rollout(self, prompt: torch.Tensor, x, times, stochastic) -> Trajectory:
+    def sample(self, prompt: torch.Tensor, x, times, stochastic) -> Trajectory:
+        """rollout with this iteration's prompts `prompt` (N,), policy, SDE and noise generator."""
         return rollout(self.policy, self.cond_of(prompt), x, times, stochastic, self.args, self.meter, self.gen)
 
     def reward(self, x: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
@@ -920,15 +941,6 @@ def repeat(x: torch.Tensor, g: int) -> torch.Tensor:
 # Each takes the iteration's Context and returns (Transitions to train on, rewards for logging). How a method
 # samples is data for the shared rollout: which steps are stochastic, where a trajectory starts, which grid.
 
-def group_normalise(r: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO's advantage A_i = (r_i - mean_g r) / (std_g r + 1e-4), population std (Deviation 3): r, group (N,) ->
-    (A (N,), flat (groups,)). float64 keeps equal rewards' std exactly 0 (float32 leaves 3e-8 for 8 x 1/3): A = 0."""
-    r64 = r.double()
-    mean, inv = segment_mean(r64, group)
-    std = segment_mean((r64 - mean[inv]) ** 2, group)[0].sqrt()
-    adv = torch.where(std[inv] == 0, torch.zeros_like(r64), (r64 - mean[inv]) / (std[inv] + 1e-4))
-    return adv.to(r.dtype), std == 0
-
 def flow_grpo(ctx: Context):
     """Flow-GRPO (arXiv 2505.05470v5, NeurIPS 2025; code yifan123/flow_grpo@ac4c86e): SDE Eq. 9, group advantage.
 
@@ -936,7 +948,7 @@ def flow_grpo(ctx: Context):
         A_i = (R_i - mean_group R) / (std_group R + 1e-4)."""
     b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
     prompt = repeat(torch.arange(b), g)  # (B*G,)
-    traj = ctx.rollout(prompt, initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, [True] * n_steps)
+    traj = ctx.sample(prompt, initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, [True] * n_steps)
     r = ctx.reward(traj.states[:, -1], prompt)  # (B*G,)
     adv = ctx.advantages(r, prompt)[:, None]  # (B*G, 1) -> every step
     return transitions_from(traj, prompt, adv, ctx.trainable), r
@@ -944,31 +956,34 @@ def flow_grpo(ctx: Context):
 def stepwise(ctx: Context):
     """Stepwise-Flow-GRPO (arXiv 2603.28718v1, CVPR 2026; no code released): Tweedie rewards and reward gains.
 
-    Reward of every state, r[i, k] = R(x0_hat(x_k)) for k = 0..S (`tweedie_substeps` ODE steps to t = 0; x_S is the
-    image itself), the papers' r_{T-k}; the gain of step k and its advantage over the prompt's (trajectory, step)s:
+    Reward of every state, r[i, k] = R(x0_hat(x[k])) for k = 0..S (`tweedie_substeps` ODE steps to t = 0, Deviation
+    11; x[S] is the image itself), the papers' r_{T-k}; the gain of step k and its advantage over the prompt's
+    (trajectory, step)s:
         gain[i, k] = r[i, k+1] - r[i, k],   A = (gain - mean_{i,k} gain) / std_{i,k} gain.
     Differs from flow_grpo by: per-step gains instead of one broadcast advantage; shared initial noise per group."""
     b, g, n_steps, n = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1, ctx.args.tweedie_substeps
     prompt = repeat(torch.arange(b), g)  # (B*G,)
-    traj = ctx.rollout(prompt, repeat(initial_noise(ctx.policy, b, ctx.shared_gen), g), ctx.grid, [True] * n_steps)
-    # k = 0: x_0 is the group's shared noise, so its estimate and reward are a group constant, computed once a group
+    # one noise a group, as the paper: a trajectory's gains telescope to r[i, S] - r[i, 0], and r[i, 0] is then the
+    # same for the whole group, so the gains' sum ranks the group's images as their final rewards do
+    traj = ctx.sample(prompt, repeat(initial_noise(ctx.policy, b, ctx.shared_gen), g), ctx.grid, [True] * n_steps)
+    # k = 0: x[0] is the group's shared noise, so its estimate and reward are a group constant, computed once a group
     first = [traj.states[::g, 0], traj.velocities[::g, 0], traj.times[::g, 0]]  # (B, ...) the group's first member
-    r_first = ctx.reward(tweedie_x0(ctx, torch.arange(b), *first, n), torch.arange(b))  # (B,)
+    r_first = ctx.reward(x0_estimate(ctx, torch.arange(b), *first, n), torch.arange(b))  # (B,)
     # k = 1..S-1 by Tweedie from the sampled states, then k = S, the final image, as it is
     x, v, t = traj.states[:, 1:-1].flatten(0, 1), traj.velocities[:, 1:].flatten(0, 1), traj.times[:, 1:-1].flatten()
-    x0_hat = tweedie_x0(ctx, repeat(prompt, n_steps - 1), x, v, t, n).view(b * g, n_steps - 1, *x.shape[1:])
+    x0_hat = x0_estimate(ctx, repeat(prompt, n_steps - 1), x, v, t, n).view(b * g, n_steps - 1, *x.shape[1:])
     scored = torch.cat([x0_hat, traj.states[:, -1:]], 1).flatten(0, 1)  # (B*G*S, C, H, W)
     r_later = ctx.reward(scored, repeat(prompt, n_steps)).view(b * g, n_steps)  # (B*G, S)
     r = torch.cat([repeat(r_first, g)[:, None], r_later], 1)  # (B*G, S+1)
     adv = gain_advantages(ctx, r, prompt)  # (B*G, S); the last step's gain is normalised, not trained (Deviation 6)
     return transitions_from(traj, prompt, adv, ctx.trainable), r[:, -1]
 
-def tweedie_x0(ctx: Context, prompt, x, v, t, n: int) -> torch.Tensor:
+def x0_estimate(ctx: Context, prompt, x, v, t, n: int) -> torch.Tensor:
     """x0_hat of states x (N, C, H, W) at times t (N,) by n Euler steps to t = 0; the first reuses the
     sampler's velocity v, so n sub-steps cost n - 1 passes."""
     times = t[:, None] * torch.linspace(1, 0, n + 1, device=t.device)  # (N, n+1)
     x = ode_step(x, v, times[:, 0], times[:, 1])
-    return x if n == 1 else ctx.rollout(prompt, x, times[:, 1:], [False] * (n - 1)).states[:, -1]
+    return x if n == 1 else ctx.sample(prompt, x, times[:, 1:], [False] * (n - 1)).states[:, -1]
 
 def gain_advantages(ctx: Context, r: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
     """Rewards r (B*G, S+1) -> gains r[:, k+1] - r[:, k] (B*G, S), normalised over each prompt's (trajectory, step)."""
@@ -979,55 +994,60 @@ def tempflow(ctx: Context):
     """TempFlow-GRPO (arXiv 2508.04324v3, ICLR 2026; code Shredded-Pork/TempFlow-GRPO@e66824e): trajectory
     branching, seed groups (one group: the children of one prompt, noise and k, as its code), Eq. 7's weights.
 
-    ODE path per (prompt, seed); at a bifurcation step k, G children take one SDE step from its state x_k,
+    ODE path per (prompt, seed); at a bifurcation step k, G children take one SDE step from its state x[k],
     then ODE; advantage of R_k^j over the G children of (prompt, seed, k); weight w_k = std_k / mean_{trained} std.
     Differs from flow_grpo by: one stochastic step per rollout; per-step rewards; noise-aware weights."""
     b, g, n_steps, seeds = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1, ctx.args.seeds
     prompt = repeat(torch.arange(b), seeds)  # (B*seeds,)
-    ode_path = ctx.rollout(prompt, initial_noise(ctx.policy, b * seeds, ctx.shared_gen), ctx.grid, [False] * n_steps)
+    ode_path = ctx.sample(prompt, initial_noise(ctx.policy, b * seeds, ctx.shared_gen), ctx.grid, [False] * n_steps)
     stds = step_stds(ctx.grid, ctx.args)
     weight = stds / stds[ctx.trainable].mean()  # (S,) Norm(sigma_t sqrt(dt)) to mean 1 over trained steps
     ks = torch.nonzero(ctx.trainable).flatten()  # the branch points: `branch_steps` of them at random (Deviation 7)
     if 0 < ctx.args.branch_steps < len(ks):
         ks = ks[torch.randperm(len(ks), generator=ctx.shared_gen)[: ctx.args.branch_steps]].sort().values
-    parts, rewards = [], []
+    branches, rewards = [], []
     for k in ks.tolist():
         child_prompt = repeat(prompt, g)  # (B*seeds*G,)
         sde_once = [True] + [False] * (n_steps - k - 1)  # one SDE step at k, then the ODE
-        branch = ctx.rollout(child_prompt, repeat(ode_path.states[:, k], g), ctx.grid[k:], sde_once)
+        branch = ctx.sample(child_prompt, repeat(ode_path.states[:, k], g), ctx.grid[k:], sde_once)
         r = ctx.reward(branch.states[:, -1], child_prompt)
         adv = ctx.advantages(r, repeat(torch.arange(b * seeds), g))[:, None]  # per (prompt, seed, k)
         only_first = torch.arange(n_steps - k) == 0
-        parts.append(transitions_from(branch, child_prompt, adv, only_first, weight=weight[k], first_step=k))
+        branches.append(transitions_from(branch, child_prompt, adv, only_first, weight=weight[k], first_step=k))
         rewards.append(r)
-    return Transitions.cat(parts), torch.cat(rewards)
+    return Transitions.cat(branches), torch.cat(rewards)
 
 def g2rpo(ctx: Context):
     """G2RPO, "Fine-Grained GRPO for Precise Preference Alignment in Flow Models" (arXiv 2510.01982v3, CVPR 2026; code
     bcmi/Granular-GRPO@ef6ec9f): singular stochastic sampling, multi-granularity advantage integration.
 
     Shared ODE anchor per prompt; at every k of the first half of the steps, G branches take one SDE step from its
-    state x_k, each finished by ODE at every granularity lambda (every lambda-th node after t_{k+1}, to t = 0):
+    state x[k], each finished by ODE at every granularity lambda (every lambda-th node after t_{k+1}, to t = 0):
         A_k^i = sum_lambda (R_k^{i,lambda} - mean_i) / std_i.
     Differs from flow_grpo by: a shared ODE anchor; one SDE step per rollout; per-step, multi-granularity rewards."""
     b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
     prompt = torch.arange(b)
-    anchor = ctx.rollout(prompt, initial_noise(ctx.policy, b, ctx.shared_gen), ctx.grid, [False] * n_steps)
+    anchor = ctx.sample(prompt, initial_noise(ctx.policy, b, ctx.shared_gen), ctx.grid, [False] * n_steps)
     first_half = ctx.trainable & (torch.arange(n_steps) < n_steps // 2)
-    parts, rewards, lams = [], [], sorted(parse_ints(ctx.args.granularities, "--granularities"))
+    branches, rewards, lams = [], [], sorted(parse_ints(ctx.args.granularities, "--granularities"))
     for k in torch.nonzero(first_half).flatten().tolist():  # every branch point, as its code
         child_prompt = repeat(prompt, g)  # (B*G,)
-        sde = ctx.rollout(child_prompt, repeat(anchor.states[:, k], g), ctx.grid[k:k + 2], [True])
+        sde = ctx.sample(child_prompt, repeat(anchor.states[:, k], g), ctx.grid[k:k + 2], [True])
         adv = torch.zeros(b * g, device=sde.states.device)  # (B*G,) fused over granularities
         for lam in lams:
             coarse = continuation_grid(ctx.grid, k + 1, lam)
-            end = ctx.rollout(child_prompt, sde.states[:, -1], coarse, [False] * (len(coarse) - 1))
+            end = ctx.sample(child_prompt, sde.states[:, -1], coarse, [False] * (len(coarse) - 1))
             r = ctx.reward(end.states[:, -1], child_prompt)
             adv += ctx.advantages(r, child_prompt)
             if lam == lams[0]:  # the finest images are logged, as other methods' final images
                 rewards.append(r)
-        parts.append(transitions_from(sde, child_prompt, adv[:, None], [True], first_step=k))
-    return Transitions.cat(parts), torch.cat(rewards)
+        branches.append(transitions_from(sde, child_prompt, adv[:, None], [True], first_step=k))
+    return Transitions.cat(branches), torch.cat(rewards)
+
+def continuation_grid(grid: torch.Tensor, start: int, lam: int) -> torch.Tensor:
+    """G2RPO's grid of granularity lambda: t_start, t_{start+1}, then every lambda-th node, to t = 0 (Deviation 8)."""
+    last = len(grid) - 1
+    return grid[sorted({start, min(start + 1, last), *range(start + 1 + lam, last, lam), last})]
 
 def chunk(ctx: Context):
     """Chunk-GRPO (arXiv 2510.21583: v1 Eqs. 14-16; v2 "GCPO", ICML 2026; code xingzhejun/GCPO@ea6cc4d, v1's method).
@@ -1038,35 +1058,24 @@ def chunk(ctx: Context):
     Differs from flow_grpo by: chunk ids that make the shared loss use chunk-level ratios."""
     b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
     prompt = repeat(torch.arange(b), g)  # (B*G,)
-    traj = ctx.rollout(prompt, initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, [True] * n_steps)
+    traj = ctx.sample(prompt, initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, [True] * n_steps)
     r = ctx.reward(traj.states[:, -1], prompt)
     adv = ctx.advantages(r, prompt)[:, None]
-    trained, sizes = ctx.trainable, ctx.chunk_sizes
+    train_mask, sizes = ctx.trainable, ctx.chunk_sizes
     of_step = torch.full((n_steps,), len(sizes))  # chunk index of each step; len(sizes) = not trained
-    of_step[trained] = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    of_step[train_mask] = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
     n_train = max(1, int(len(sizes) * ctx.args.chunk_fraction))
     if n_train < len(sizes):
         rel = relative_l1(traj.states).cpu()  # (B*G, S)
         per_chunk = torch.stack([rel[:, of_step == j].mean(1) for j in range(len(sizes))], 1)  # (B*G, K)
         w = per_chunk + 1e-8 if ctx.args.weighted_chunks else torch.ones_like(per_chunk)
         chosen = torch.multinomial(w, n_train, generator=ctx.gen)  # (B*G, n_train)
-        trained = torch.zeros(b * g, len(sizes) + 1, dtype=torch.bool).scatter_(1, chosen, True)[:, of_step]
+        train_mask = torch.zeros(b * g, len(sizes) + 1, dtype=torch.bool).scatter_(1, chosen, True)[:, of_step]
     chunk_id = torch.arange(b * g)[:, None] * len(sizes) + of_step.clamp_max(len(sizes) - 1)  # (B*G, S)
-    return transitions_from(traj, prompt, adv, trained, chunk=chunk_id), r
-
-CREDIT_ASSIGNMENT = {"flow_grpo": flow_grpo, "stepwise": stepwise, "tempflow": tempflow, "g2rpo": g2rpo, "chunk": chunk}
-# What a flag left at 0 means for each method (--iterations: 5 to 9 toy minutes on 2 CPU cores; G2RPO: Deviation 4).
-METHOD_DEFAULTS = {"flow_grpo": dict(iterations=64, lr=1e-3), "stepwise": dict(iterations=32, lr=1e-3),
-                   "tempflow": dict(iterations=40, lr=1e-3), "g2rpo": dict(iterations=32, lr=3e-4, noise_level=0.7),
-                   "chunk": dict(iterations=56, lr=1e-3)}
-
-def continuation_grid(grid: torch.Tensor, start: int, lam: int) -> torch.Tensor:
-    """G2RPO's grid of granularity lambda: t_start, t_{start+1}, then every lambda-th node, to t = 0 (Deviation 8)."""
-    last = len(grid) - 1
-    return grid[sorted({start, min(start + 1, last), *range(start + 1 + lam, last, lam), last})]
+    return transitions_from(traj, prompt, adv, train_mask, chunk_id=chunk_id), r
 
 def relative_l1(states: torch.Tensor) -> torch.Tensor:
-    """Chunk-GRPO's temporal dynamics (v1 Eq. 15): |x_{k+1} - x_k|_1 / |x_k|_1, (B, S+1, ...) -> (B, S)."""
+    """Chunk-GRPO's temporal dynamics (v1 Eq. 15): |x[k+1] - x[k]|_1 / |x[k]|_1, (B, S+1, ...) -> (B, S)."""
     diff = (states[:, 1:] - states[:, :-1]).abs().flatten(2).mean(2)
     return diff / (states[:, :-1].abs().flatten(2).mean(2) + 1e-8)
 
@@ -1108,14 +1117,23 @@ def chunk_sizes_of(policy, args: Args, grid: torch.Tensor, dist: Dist = Dist()) 
     return dist.gather(torch.tensor(sizes, device=dist.device))[: len(sizes)].tolist()  # rank 0's on every rank
 
 
+CREDIT_ASSIGNMENT = {"flow_grpo": flow_grpo, "stepwise": stepwise, "tempflow": tempflow, "g2rpo": g2rpo, "chunk": chunk}
+# What a flag left at 0 means for each method (--iterations: 5 to 9 toy minutes on 2 CPU cores; G2RPO: Deviation 4).
+METHOD_DEFAULTS = {"flow_grpo": dict(iterations=64, lr=1e-3), "stepwise": dict(iterations=32, lr=1e-3),
+                   "tempflow": dict(iterations=40, lr=1e-3), "g2rpo": dict(iterations=32, lr=3e-4, noise_level=0.7),
+                   "chunk": dict(iterations=56, lr=1e-3)}
+
+
+
 # ----------------------------------------------------------------------------------------------------
 # 8 GRPO loss and update (shared)
 
 def grpo_loss(policy, cond: dict, tr: Transitions, args: Args, whole: tuple | None = None):
-    """The clipped GRPO objective as every official code writes it -> (loss, stats):
-        ratio_j = exp(mean_{k in chunk j} log pi_theta(x_{k+1} | x_k) - log pi_old(x_{k+1} | x_k))
-        loss    = mean_j w_j max(-A_j ratio_j, -A_j clip(ratio_j, 1 - eps, 1 + eps))  +  beta mean_k KL_k
-    Only Chunk-GRPO's chunks hold several transitions; with one a chunk this is Flow-GRPO's per-step loss. The clip
+    """PPO's clipped surrogate, as every official code writes it for GRPO -> (loss, stats):
+        ratio = exp(log pi_theta(x[k+1] | x[k]) - log pi_old(x[k+1] | x[k]))     per transition
+        loss  = mean w max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps))  +  beta mean_k KL_k
+    One generalisation, Chunk-GRPO's: the transitions of a chunk share one ratio, exp of their mean log-ratio
+    (chunk_log_ratios), and the mean runs over chunks; every other method's chunk is one transition. The clip
     acts on the D-th root of the likelihood ratio: on the whole image it allows exp(D eps), about 2.2 on the toy
     (D = 768, eps = 1e-3) and about 700 on SD3.5 at 512 px (D = 65,536, eps = 1e-4), so the toy's range and the
     papers' do not compare. approx_kl is 1/2 E[log_ratio^2], the k2 estimate Flow-GRPO's and DDPO's codes log
@@ -1124,15 +1142,13 @@ def grpo_loss(policy, cond: dict, tr: Transitions, args: Args, whole: tuple | No
     gradient, or None) for a micro-batch `tr`: sums divide by the minibatch's counts, and a chunk's members outside
     `tr` enter its ratio frozen, so each micro-batch backpropagates exactly its members' share of the gradient."""
     log_prob, mean = transition_log_probs(policy, cond, tr, args)
-    log_ratio = chunk_log_ratios(log_prob, tr.log_prob, tr.chunk)  # (K,)
-    mb, piece, frozen = whole or (tr, None, None)
-    if frozen is not None:  # each chunk's mean over all its members, those outside the piece frozen
-        mixed = frozen.index_put((piece.to(frozen.device),), log_prob - tr.log_prob)  # (N,)
-        log_ratio = segment_mean(mixed, mb.chunk)[0][torch.isin(mb.chunk.unique(), tr.chunk).to(mixed.device)]
-    ratio, n_chunks, n_transitions = torch.exp(log_ratio), len(torch.unique(mb.chunk)), len(mb)
-    adv = segment_mean(tr.advantage, tr.chunk)[0].clamp(-args.adv_clip, args.adv_clip)
+    log_ratio = chunk_log_ratios(log_prob, tr.log_prob, tr.chunk_id, whole)  # (K,) chunks; K = N but in Chunk-GRPO
+    ratio = torch.exp(log_ratio)
+    adv = segment_mean(tr.advantage, tr.chunk_id)[0].clamp(-args.adv_clip, args.adv_clip)  # (K,)
     clipped = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
-    policy_terms = segment_mean(tr.weight, tr.chunk)[0] * torch.maximum(-adv * ratio, -adv * clipped)  # (K,)
+    policy_terms = segment_mean(tr.weight, tr.chunk_id)[0] * torch.maximum(-adv * ratio, -adv * clipped)  # (K,)
+    mb = whole[0] if whole else tr  # sums divide by the minibatch's counts
+    n_chunks, n_transitions = len(torch.unique(mb.chunk_id)), len(mb)
     kl_terms = torch.zeros(len(tr), device=mean.device)  # (N,)
     if args.beta > 0:  # the reference's mean is a constant; the policy's carries the KL's gradient
         with torch.no_grad(), adapter_disabled(policy.net):
@@ -1150,9 +1166,15 @@ def transition_log_probs(policy, cond: dict, tr: Transitions, args: Args) -> tup
                                     prev_sample=tr.x_next)
     return log_prob, mean
 
-def chunk_log_ratios(log_prob: torch.Tensor, log_prob_old: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
-    """Chunk-GRPO's chunk ratio in log space (v1 Eq. 14): the mean of each chunk's step log-ratios, (N,) -> (K,)."""
-    return segment_mean(log_prob - log_prob_old, chunk)[0]
+def chunk_log_ratios(log_prob, log_prob_old, chunk_id, whole: tuple | None = None) -> torch.Tensor:
+    """Chunk-GRPO's chunk ratio in log space (v1 Eq. 14): the mean of each chunk's step log-ratios, (N,) -> (K,).
+    `whole` (see grpo_loss): a chunk's members outside the micro-batch enter its mean frozen."""
+    log_ratio = segment_mean(log_prob - log_prob_old, chunk_id)[0]
+    mb, piece, frozen = whole or (None, None, None)
+    if frozen is None:
+        return log_ratio
+    mixed = frozen.index_put((piece.to(frozen.device),), log_prob - log_prob_old)  # (N_minibatch,)
+    return segment_mean(mixed, mb.chunk_id)[0][torch.isin(mb.chunk_id.unique(), chunk_id).to(mixed.device)]
 
 @contextlib.contextmanager
 def adapter_disabled(net):
@@ -1167,7 +1189,7 @@ def accumulate_gradients(policy, cond: dict, mb: Transitions, args: Args) -> lis
     """Backward of a minibatch's loss in pieces of `micro_batch` transitions; under DDP only the last backward syncs."""
     pieces = torch.arange(len(mb)).split(args.micro_batch or len(mb))  # (N,) CPU indices, a forward pass each
     frozen = None
-    if len(pieces) > 1 and len(torch.unique(mb.chunk)) < len(mb):  # a chunk may be split: freeze its log-ratios
+    if len(pieces) > 1 and len(torch.unique(mb.chunk_id)) < len(mb):  # a chunk may be split: freeze its log-ratios
         with torch.no_grad():
             frozen = torch.cat([transition_log_probs(policy, cond, mb[p], args)[0] for p in pieces]) - mb.log_prob
     no_sync, stats = getattr(policy.denoiser, "no_sync", contextlib.nullcontext), []
@@ -1184,17 +1206,17 @@ def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Gene
     A minibatch whose gradient is not finite undoes the whole update: the adapter and the optimizer go back to where
     the iteration found them, and the result says `skipped` (with `trained`, the transitions that were computed)."""
     tr = tr[tr.advantage.cpu() != 0]
-    ids = torch.unique(tr.chunk)
+    ids = torch.unique(tr.chunk_id)
     order = ids[torch.randperm(len(ids), generator=gen)][: max(1, round(len(ids) * args.train_fraction))]
     n_minibatches = int(dist.reduce(min(args.inner_updates, len(order)), "min"))
     params = [p for p in policy.net.parameters() if p.requires_grad]  # the adapter
     before = [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
-    stats, norms, trained = [], [], 0
+    stats, norms, n_trained = [], [], 0
     policy.net.train()
-    for part in torch.tensor_split(order, n_minibatches) if n_minibatches else []:
-        mb = tr[torch.isin(tr.chunk, part)]
+    for chunk_ids in torch.tensor_split(order, n_minibatches) if n_minibatches else []:
+        mb = tr[torch.isin(tr.chunk_id, chunk_ids)]
         opt.zero_grad(set_to_none=True)
-        stats, trained = stats + accumulate_gradients(policy, cond, mb, args), trained + len(mb)
+        stats, n_trained = stats + accumulate_gradients(policy, cond, mb, args), n_trained + len(mb)
         norms.append(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
         if not torch.isfinite(norms[-1]):  # DDP's average carries a NaN to every rank: all undo together
             with torch.no_grad():
@@ -1202,7 +1224,7 @@ def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Gene
                     p.copy_(kept)
             opt.zero_grad(set_to_none=True)
             opt.load_state_dict(before[1])
-            stats = [{"skipped": torch.ones(()), "trained": torch.tensor(float(trained))}]
+            stats = [{"skipped": torch.ones(()), "trained": torch.tensor(float(n_trained))}]
             break
         opt.step()
     policy.net.eval()
@@ -1210,7 +1232,7 @@ def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Gene
     if not stats or "skipped" in means:
         return means
     return means | {"grad_norm": float(torch.stack(norms).mean()), "ratio_first": float(stats[0]["ratio_mean"]),
-                    "clipfrac_first": float(stats[0]["clipfrac"]), "trained": trained}
+                    "clipfrac_first": float(stats[0]["clipfrac"]), "trained": n_trained}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1242,7 +1264,7 @@ RULES = {  # what a valid value of each flag is, and how to tell
     ">= 3": (["steps"], lambda v: v >= 3),
     "> 0": (["clip_range", "max_grad_norm", "resolution"], lambda v: v > 0),
     ">= 0": (["micro_batch", "noise_level", "min_std", "extra_penalty", "beta", "lora_rank", "lora_alpha",
-              "branch_steps", "benchmark", "workers"], lambda v: v >= 0),
+              "branch_steps", "benchmark"], lambda v: v >= 0),
     ">= 1": (["prompts_per_iter", "eval_steps", "eval_every", "eval_per_tag", "curve_per_tag", "inner_updates",
               "tweedie_substeps", "seeds", "num_chunks", "pretrain_steps", "checkpoint_every", "max_nonfinite"],
              lambda v: v >= 1),
@@ -1268,7 +1290,7 @@ def validate(args: Args) -> Args:
         raise UsageError("--reward toy scores the built-in toy prompts on the toy model; use pickscore or clip here")
     if args.prompts and not Path(args.prompts).is_file():
         raise UsageError(f"--prompts {args.prompts}: no such file (one prompt a line is expected)")
-    trainable = trainable_steps(time_grid(args.steps), args)
+    trainable = trainable_steps(shifted_grid(args.steps), args)
     if not (trainable & (torch.arange(args.steps) < args.steps // 2 if args.method == "g2rpo" else True)).any():
         raise UsageError(f"--method {args.method} with --sde {args.sde} and --steps {args.steps} has no step to train "
                          "(nor the last or a near-deterministic one; g2rpo trains the first half); use more --steps")
@@ -1295,9 +1317,10 @@ def prompt_sets(args: Args) -> tuple[list[dict] | None, list[dict]]:
     return [m for i, m in enumerate(metas) if i % 10], metas[5::10] if args.tune else metas[::10]
 
 # What training and --benchmark both build before their first iteration; grid: the (S+1,) training time grid
-Setup = collections.namedtuple("Setup", "policy reward_fn params opt lr_schedule grid chunk_sizes train_pool held_out")
+Trainer = collections.namedtuple("Trainer",
+                                 "policy reward_fn params opt lr_schedule grid chunk_sizes train_pool held_out")
 
-def setup(args: Args, dist: Dist) -> Setup:
+def setup(args: Args, dist: Dist) -> Trainer:
     """Model, reward, LoRA adapter (in DDP under torchrun), optimiser, its lr schedule and the training grid."""
     from diffusers.optimization import get_scheduler
     from transformers import set_seed
@@ -1317,126 +1340,275 @@ def setup(args: Args, dist: Dist) -> Setup:
         policy.denoiser = DistributedDataParallel(policy.net, device_ids=ids, broadcast_buffers=False)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     lr_schedule = get_scheduler(args.lr_schedule, opt, num_warmup_steps=0, num_training_steps=args.iterations)
-    return Setup(policy, reward_fn, params, opt, lr_schedule, grid, chunk_sizes, *prompt_sets(args))
+    return Trainer(policy, reward_fn, params, opt, lr_schedule, grid, chunk_sizes, *prompt_sets(args))
 
-def iteration_context(args: Args, parts: Setup, it: int, meter: Meter, dist: Dist = Dist()) -> Context:
+def iteration_context(args: Args, trainer: Trainer, it: int, meter: Meter, dist: Dist = Dist()) -> Context:
     """Iteration `it`'s prompts, embeddings and generators; every draw follows from (seed, it)."""
     rng = random.Random(stable_seed(args.seed, "prompts", it))
-    metas = ([rng.choice(parts.train_pool) for _ in range(args.prompts_per_iter)] if parts.train_pool
+    metas = ([rng.choice(trainer.train_pool) for _ in range(args.prompts_per_iter)] if trainer.train_pool
              else train_prompts(args.prompts_per_iter, rng))
     shared = generator(args.seed, "rollout", it)
     gen = generator(args.seed, "rollout", it, dist.rank) if dist.world > 1 else shared
-    return Context(parts.policy, args, meter, gen, metas, parts.policy.encode([m["prompt"] for m in metas]), parts.grid,
-                   parts.reward_fn, parts.chunk_sizes, dist, shared)
+    cond = trainer.policy.encode([m["prompt"] for m in metas])
+    return Context(trainer.policy, args, meter, gen, metas, cond, trainer.grid, trainer.reward_fn, trainer.chunk_sizes,
+                   dist, shared)
 
-def train(args: Args, resume: str | None = None, run: Path | None = None, base_eval: Path | None = None) -> list[dict]:
-    """GRPO with the chosen credit assignment -> the metric records (also in metrics.jsonl). `resume`, a run folder,
-    continues from its checkpoint; `run` names a new one; `base_eval` holds the base's evaluation, its first (the
-    head-to-head's). Under torchrun DDP averages gradients, rank 0 evaluates and writes."""
+def train(args: Args) -> list[dict]:
+    """GRPO with the chosen credit assignment in the run folder `args.run` -> the metric records (metrics.jsonl).
+    A new folder starts the run, one with a checkpoint resumes it, one with the run's record returns at once.
+    The loop is the algorithm; RunFolder keeps the books. Under torchrun DDP averages gradients, rank 0 writes."""
     from diffusers.training_utils import EMAModel
     args = validate(args)
     dist = Dist.setup(resolve_device(args.device))
     if args.group_size % dist.world:
         raise UsageError(f"--group-size {args.group_size} must be a multiple of the {dist.world} ranks")
-    writer, parts = dist.rank == 0, setup(args, dist)
-    run = Path(resume or run or Path(args.out) / f"{args.method}-seed{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if writer:  # made after loading: a model that fails to load leaves no empty folder
-        try:
-            run.mkdir(parents=True, exist_ok=True)  # a folder named or resumed; its lock keeps out a second writer
-        except OSError as e:
-            raise UsageError(f"--out {args.out!r}: cannot create the run folder {run} ({e.strerror or e})") from None
-        lock = (run / ".lock").open("w")  # one writer per run folder: the lock is the process's until it exits
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UsageError(f"{run} is being written by another process; stop it (or let it finish) first") from None
-    # one update an iteration (8 optimizer steps: Flow-GRPO's interval); its warm-up min((1+n)/(10+n), decay) counts
-    # these updates, Flow-GRPO's counts optimizer steps, so this one reaches 0.9 after 81 updates, that one after 10
-    ema = EMAModel(parts.params, decay=args.ema)
-    state = load_checkpoint(run, parts.policy, parts.opt, ema) if resume else {"iteration": 0, "meter": {}, "wall": 0.0}
-    parts.lr_schedule.load_state_dict(state.get("lr_schedule", parts.lr_schedule.state_dict()))
-    meter, history, wall = Meter(**state["meter"]), state.get("history", []), state["wall"]
-    start_it, bad_in_row = state["iteration"] + 1, 0
-    if writer:
-        (run / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-    log = (run / "metrics.jsonl").open("w", buffering=1) if writer else open(os.devnull, "w")  # a line at a time
-    log.writelines(json.dumps(entry) + "\n" for entry in history)  # a resume drops lines after its checkpoint
+    with RunFolder(args, dist) as folder:
+        if folder.finished():
+            return folder.history
+        trainer = setup(args, dist)
+        # one update an iteration (8 optimizer steps: Flow-GRPO's interval); its warm-up min((1+n)/(10+n), decay)
+        # counts these updates, Flow-GRPO's optimizer steps: this one reaches 0.9 after 81 updates, that one after 10
+        ema = EMAModel(trainer.params, decay=args.ema)
+        meter, first = folder.open(trainer, ema)  # from the checkpoint, or new (the base evaluated)
+        for it in folder.progress(first):
+            start = time.time()
+            ctx = iteration_context(args, trainer, it, meter, dist)
+            transitions, rewards = CREDIT_ASSIGNMENT[args.method](ctx)  # sample with the method's credit assignment
+            stats = update(trainer.policy, trainer.opt, ctx.cond, transitions, args, ctx.gen, dist) if all_finite(
+                dist, rewards, transitions.advantage) else {"skipped": 1.0}
+            meter.nfe += int(stats.get("trained", 0)) * (2 if args.beta > 0 else 1) * trainer.policy.passes  # (+ ref.)
+            if stats.get("trained") and not stats.get("skipped"):  # optimizer steps were taken and kept
+                ema.step(trainer.params)
+            folder.log(it, ctx, transitions, rewards, stats, seconds=time.time() - start)
+            folder.evaluate(it)  # every eval_every iterations and at the end
+            folder.checkpoint(it)
+        folder.finish()
+    return folder.history
 
-    def record(entry: dict) -> None:
-        history.append(entry)
-        log.write(json.dumps(entry) + "\n")
+def all_finite(dist: Dist, *tensors: torch.Tensor) -> bool:
+    """Whether every value is finite on every rank (so that all ranks skip an update together)."""
+    return bool(dist.reduce(torch.stack([torch.isfinite(x).all() for x in tensors]).all(), "min"))
 
-    def run_eval(iteration: int) -> None:
-        nfe = int(dist.reduce(meter.nfe))
-        if writer:  # the other ranks go on and wait for rank 0 in the next collective
-            pairs = None if iteration in (0, args.iterations) else curve_pairs(parts.held_out, args.curve_per_tag)
-            with ema_applied(ema, parts.params):  # a base's evaluation given is the first: the adapter starts at 0
-                made = torch.load(base_eval, weights_only=True) if base_eval and not iteration else None
-                metrics, images, metas, scores = made or evaluate(parts.policy, args, parts.reward_fn, pairs=pairs)
-            state["base_scores"] = state.get("base_scores") or scores  # the gains are paired with the first evaluation
-            base = {k: v[scores["pair"]] for k, v in state["base_scores"].items()}  # the same pairs as this one's
-            gains = paired_gains(scores, base, [m.get("tag", "prompt") for m in metas])
-            record({"iteration": iteration, **metrics, **gains, "nfe": nfe, "wall_s": round(wall, 2),
-                    "eval_pairs": len(metas)})
-            torch.save(scores, run / f"scores_{iteration:04d}.pt")  # per image: comparisons pair runs with them
-            save_grid(images, metas, scores, run / f"samples_{iteration:04d}.png",
-                      f"{args.method} iteration {iteration}: held-out score {metrics['eval_overall']:.3f}")
+NOT_SHAPING = ("out", "run", "device", "cache_dir", "base_cache", "benchmark")  # where and how fast, not what
 
-    if not resume:
-        if parts.chunk_sizes:
-            record({"iteration": 0, "chunk_sizes": parts.chunk_sizes})
-        run_eval(0)
-    quiet = not writer or os.environ.get("TQDM_DISABLE", "") not in ("", "0")  # an explicit disable= overrides it
-    for it in (bar := tqdm(range(start_it, args.iterations + 1), desc=args.method, dynamic_ncols=True, disable=quiet)):
-        start = time.time()
-        ctx = iteration_context(args, parts, it, meter, dist)
-        transitions, rewards = CREDIT_ASSIGNMENT[args.method](ctx)
-        finite = bool(dist.reduce(torch.isfinite(rewards).all() & torch.isfinite(transitions.advantage).all(), "min"))
-        stats = (update(parts.policy, parts.opt, ctx.cond, transitions, args, ctx.gen, dist) if finite
-                 else {"skipped": 1.0})
-        meter.nfe += int(stats.get("trained", 0)) * (2 if args.beta > 0 else 1) * parts.policy.passes  # (+ reference)
-        if stats.get("trained") and not stats.get("skipped"):  # optimizer steps were taken and kept
-            ema.step(parts.params)
-        wall += time.time() - start
-        bad_in_row = bad_in_row + 1 if stats.get("skipped") else 0
-        if bad_in_row and writer:
+def run_label(args: Args) -> str:
+    """The method and the flags that differ from its defaults (g2rpo:granularities=1): a record's label."""
+    default = dataclasses.asdict(resolved(Args(method=args.method, model=args.model)))
+    changed = {k: v for k, v in dataclasses.asdict(resolved(args)).items() if v != default[k]}
+    return ":".join([args.method, *(f"{k}={v}" for k, v in changed.items() if k not in (*NOT_SHAPING, "seed"))])
+
+def code_id() -> str:
+    """The script's git object id: `git log --find-object=ID` names the commits that hold it."""
+    code = Path(__file__).read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(code) + code).hexdigest()
+
+def cpu_name() -> str:
+    cpu = Path("/proc/cpuinfo")
+    model = re.search(r"model name\s*: (.*)", cpu.read_text()) if cpu.exists() else None
+    return model[1] if model else "unknown"
+
+class RunFolder:
+    """A run's folder and its books, kept outside the training loop: one writer (a lock), args.json, metrics.jsonl,
+    each evaluation's per-pair scores and sample grid, checkpoints, the LoRA, and last record.json: the run's record
+    (flags, cost, machine, code id taken at the start, every evaluation with its per-pair scores), also when an error
+    stops the run. Only rank 0 writes."""
+
+    def __init__(self, args: Args, dist: Dist):
+        self.args, self.dist, self.writer, self.code = args, dist, dist.rank == 0, code_id()
+        self.path = Path(args.run or Path(args.out) / f"{args.method}-seed{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+        self.history, self.wall, self.bad_in_row, self.iteration = [], 0.0, 0, 0
+
+    def finished(self) -> bool:
+        """Whether the folder holds the finished record of a run of these flags. A run that an error stopped is tried
+        again; one of other flags resumes with them from its checkpoint, if the checkpoint allows them."""
+        if not (self.path / "record.json").exists():
+            return False
+        record, mine = json.loads((self.path / "record.json").read_text()), dataclasses.asdict(self.args)
+        if "error" in record:
+            print(f"{self.path}: stopped at iteration {record['iteration']} ({record['error']}); trying again")
+            return False
+        if any(mine.get(k) != v for k, v in record["args"].items() if k not in NOT_SHAPING):
+            return False
+        print(f"{self.path}: finished already (record.json); nothing to do")
+        self.history = [json.loads(line) for line in (self.path / "metrics.jsonl").read_text().splitlines()]
+        return True
+
+    def open(self, trainer: Trainer, ema) -> tuple[Meter, int]:
+        """Lock the folder, then resume from its checkpoint or start: -> (the meter, the first iteration to run)."""
+        self.trainer, self.ema, resume = trainer, ema, (self.path / "checkpoint.pt").exists()
+        if self.writer:  # made after loading: a model that fails to load leaves no empty folder
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise UsageError(f"--out {self.args.out!r}: cannot create the run folder {self.path} "
+                                 f"({e.strerror or e})") from None
+            self.lock = (self.path / ".lock").open("w")  # one writer per folder: the process's until it exits
+            try:
+                fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise UsageError(f"{self.path} is being written by another process; stop it (or let it finish) "
+                                 "first") from None
+        if resume:
+            refuse_changed_flags(json.loads((self.path / "args.json").read_text()), dataclasses.asdict(self.args))
+        self.state = (load_checkpoint(self.path, trainer.policy, trainer.opt, ema) if resume
+                      else {"iteration": 0, "meter": {}, "wall": 0.0})
+        trainer.lr_schedule.load_state_dict(self.state.get("lr_schedule", trainer.lr_schedule.state_dict()))
+        self.history, self.wall = self.state.get("history", []), self.state["wall"]
+        if self.writer:
+            (self.path / "args.json").write_text(json.dumps(dataclasses.asdict(self.args), indent=2))
+        self.file = (self.path / "metrics.jsonl").open("w", buffering=1) if self.writer else open(os.devnull, "w")
+        self.file.writelines(json.dumps(entry) + "\n" for entry in self.history)  # drops lines after the checkpoint
+        self.meter = Meter(**self.state["meter"])
+        if not resume:
+            if trainer.chunk_sizes:
+                self.record({"iteration": 0, "chunk_sizes": trainer.chunk_sizes})
+            self.evaluate(0)
+        return self.meter, self.state["iteration"] + 1
+
+    def progress(self, first: int):
+        """The iterations left, under a progress bar."""
+        quiet = not self.writer or os.environ.get("TQDM_DISABLE", "") not in ("", "0")  # disable= overrides the env
+        self.bar = tqdm(range(first, self.args.iterations + 1), desc=self.args.method, dynamic_ncols=True,
+                        disable=quiet)
+        for it in self.bar:
+            self.iteration = it
+            yield it
+
+    def __enter__(self) -> "RunFolder":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        """An error (not an interrupt: that run resumes) leaves a record that names it and where; the next start of
+        the same run tries again from its checkpoint."""
+        if isinstance(error, Exception) and hasattr(self, "file"):
+            self.write_record(error=f"{kind.__name__}: {error}", iteration=self.iteration)
+
+    def record(self, entry: dict) -> None:
+        self.history.append(entry)
+        self.file.write(json.dumps(entry) + "\n")
+
+    def log(self, it: int, ctx: Context, transitions: Transitions, rewards: torch.Tensor, stats: dict,
+            seconds: float) -> None:
+        """The iteration's line of metrics.jsonl (counters summed over ranks); the lr schedule's step; a stop after
+        `max_nonfinite` skipped updates in a row."""
+        self.wall += seconds
+        self.bad_in_row = self.bad_in_row + 1 if stats.get("skipped") else 0
+        if self.bad_in_row and self.writer:
             tqdm.write(f"warning: iteration {it}: non-finite rewards, advantages or gradient; update undone")
-        if bad_in_row >= args.max_nonfinite:
-            raise RunError(f"stopped at iteration {it}: {bad_in_row} iterations in a row had non-finite rewards, "
-                           f"advantages or loss; the last good checkpoint is in {run}")
-        rewards = dist.gather(rewards.float())  # the iteration's line of metrics.jsonl: counters summed over ranks
+        if self.bad_in_row >= self.args.max_nonfinite:
+            raise RunError(f"stopped at iteration {it}: {self.bad_in_row} iterations in a row had non-finite rewards, "
+                           f"advantages or gradient; the last good checkpoint is in {self.path}")
+        dist, schedule = self.dist, self.trainer.lr_schedule
+        rewards = dist.gather(rewards.float())
         adv_abs = segment_mean(transitions.advantage.abs(), transitions.step)[0].tolist()  # one host sync
         per_step = {f"adv_abs/{k}": a for k, a in zip(transitions.step.unique().tolist(), adv_abs)}
-        record({"iteration": it, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()), **stats,
-                "zero_std_frac": float(torch.cat(ctx.stats["zero_std"]).float().mean()),  # the same on all ranks
-                "transitions": int(dist.reduce(len(transitions))), "nfe": int(dist.reduce(meter.nfe)),
-                "reward_calls": int(dist.reduce(meter.reward_calls)), "lr": parts.lr_schedule.get_last_lr()[0],
-                "wall_s": round(wall, 2), **per_step})
+        self.record({"iteration": it, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()), **stats,
+                     "zero_std_frac": float(torch.cat(ctx.stats["zero_std"]).float().mean()),  # the same on all ranks
+                     "transitions": int(dist.reduce(len(transitions))), "nfe": int(dist.reduce(self.meter.nfe)),
+                     "reward_calls": int(dist.reduce(self.meter.reward_calls)), "lr": schedule.get_last_lr()[0],
+                     "wall_s": round(self.wall, 2), **per_step})
         with warnings.catch_warnings():  # torch warns if no optimizer step came first (flat groups); the lr moves on
             warnings.simplefilter("ignore", UserWarning)
-            parts.lr_schedule.step()
-        bar.set_postfix(reward=f"{history[-1]['reward_mean']:.3f}", kl=f"{history[-1].get('kl', 0):.2g}")
-        if it % args.eval_every == 0 or it == args.iterations:
-            run_eval(it)
-        if (it % args.checkpoint_every == 0 or it == args.iterations) and not bad_in_row and writer:
-            save_checkpoint(run, parts.policy, parts.opt, ema, {"iteration": it, "meter": dataclasses.asdict(meter),
-                            "wall": wall, "history": history, "base_scores": state["base_scores"],
-                            "lr_schedule": parts.lr_schedule.state_dict()})
-    log.close()
-    if writer:
-        with ema_applied(ema, parts.params):
-            parts.policy.save_lora(run / "lora")
-        plot_curves(history, run / "reward_curve.png", args.method)
-        first, *_, last = [h for h in history if "eval_overall" in h]
-        score = "toy-GenEval overall" if args.model == "toy" else "held-out reward"
-        print(f"done: {run}\n{score} {first['eval_overall']:.3f} -> {last['eval_overall']:.3f} "
-              f"({last['gain_overall']:+.3f} ± {last['gain_overall_se']:.3f} paired s.e.) in {wall / 60:.1f} min "
-              f"of training, {history[-1]['nfe']:.3g} forward passes")
+            schedule.step()
+        self.bar.set_postfix(reward=f"{self.history[-1]['reward_mean']:.3f}", kl=f"{self.history[-1].get('kl', 0):.2g}")
+
+    def evaluate(self, it: int) -> None:
+        """At 0, every eval_every iterations and at the end: the moving average's held-out scores, paired with the
+        base's on the same pairs (a curve point scores every k-th pair of each category, the ends all)."""
+        args, trainer, policy = self.args, self.trainer, self.trainer.policy
+        if it % args.eval_every and it != args.iterations:
+            return
+        nfe = int(self.dist.reduce(self.meter.nfe))
+        if not self.writer:  # the other ranks go on and wait for rank 0 in the next collective
+            return
+        pairs = None if it in (0, args.iterations) else curve_pairs(trainer.held_out, args.curve_per_tag)
+        with ema_applied(self.ema, trainer.params):  # at 0 the adapter is 0: the base
+            made = evaluate(policy, args, trainer.reward_fn, pairs=pairs) if it else base_evaluation(args, trainer)
+        metrics, images, metas, scores = made
+        self.state["base_scores"] = self.state.get("base_scores") or scores  # gains pair with the first evaluation
+        base = {k: v[scores["pair"]] for k, v in self.state["base_scores"].items()}  # the same pairs as this one's
+        gains = paired_gains(scores, base, [m.get("tag", "prompt") for m in metas])
+        self.record({"iteration": it, **metrics, **gains, "nfe": nfe, "wall_s": round(self.wall, 2),
+                     "eval_pairs": len(metas)})
+        torch.save(scores, self.path / f"scores_{it:04d}.pt")  # per image: the record pairs runs with them
+        save_grid(images, metas, scores, self.path / f"samples_{it:04d}.png",
+                  f"{args.method} iteration {it}: held-out score {metrics['eval_overall']:.3f}")
+
+    def checkpoint(self, it: int) -> None:
+        """Every checkpoint_every iterations and at the end, never from a state with non-finite values."""
+        if (it % self.args.checkpoint_every == 0 or it == self.args.iterations) and not self.bad_in_row and self.writer:
+            save_checkpoint(self.path, self.trainer.policy, self.trainer.opt, self.ema, {
+                "iteration": it, "meter": dataclasses.asdict(self.meter), "wall": self.wall, "history": self.history,
+                "base_scores": self.state["base_scores"], "lr_schedule": self.trainer.lr_schedule.state_dict()})
+
+    def finish(self) -> None:
+        """The LoRA (the moving average's), the curves, the record, and the held-out scores printed."""
+        self.file.close()
+        if not self.writer:
+            return
+        with ema_applied(self.ema, self.trainer.params):
+            self.trainer.policy.save_lora(self.path / "lora")
+        plot_curves(self.history, self.path / "reward_curve.png", self.args.method)
+        self.write_record()
+        first, *_, last = [h for h in self.history if "eval_overall" in h]
+        score = "toy-GenEval overall" if self.args.model == "toy" else "held-out reward"
+        print(f"done: {self.path}\n{score} {first['eval_overall']:.3f} -> {last['eval_overall']:.3f} "
+              f"({last['gain_overall']:+.3f} ± {last['gain_overall_se']:.3f} paired s.e.) in {self.wall / 60:.1f} "
+              f"min of training, {self.history[-1]['nfe']:.3g} forward passes")
         if "eval_strict" in last:
             print(f"strict (the asked objects, nothing else) {first['eval_strict']:.3f} -> {last['eval_strict']:.3f} "
                   f"({last['gain_strict']:+.3f} ± {last['gain_strict_se']:.3f}); "
                   f"images with extra objects {first['eval_extra']:.1%} -> {last['eval_extra']:.1%}")
-    return history
+
+    def write_record(self, **error) -> None:
+        """record.json, atomically: flags, cost, machine, code, the training rewards, the base's evaluation and every
+        later one with per-pair scores; `error` and `iteration` for a run that an error stopped."""
+        if not self.writer:
+            return
+        evaluations = [h | {"scores": per_pair(torch.load(self.path / f"scores_{h['iteration']:04d}.pt",
+                                                          weights_only=True))}
+                       for h in self.history if "eval_overall" in h]
+        record = {"label": run_label(self.args), "seed": self.args.seed, "args": dataclasses.asdict(self.args),
+                  "iterations": self.args.iterations, "nfe": max([0] + [h["nfe"] for h in self.history if "nfe" in h]),
+                  "seconds": round(self.wall, 2),
+                  "threads": torch.get_num_threads(), "torch": torch.__version__, "cpu": cpu_name(), "code": self.code,
+                  "reward_mean": [h["reward_mean"] for h in self.history if "reward_mean" in h],
+                  "base": evaluations[0] if evaluations else None, "evaluations": evaluations[1:], **error}
+        (self.path / "record.json.tmp").write_text(json.dumps(record, separators=(",", ":")))  # ~50 kB a toy run
+        os.replace(self.path / "record.json.tmp", self.path / "record.json")
+
+def refuse_changed_flags(saved: dict, args: dict) -> None:
+    """A resumed run keeps what its checkpoint fixes: the lr, weight decay, moving average, schedule (and a cosine's
+    length)."""
+    fixed = ["lr", "weight_decay", "ema", "lr_schedule"] + ["iterations"] * (saved.get("lr_schedule") == "cosine")
+    if changed := [f for f in fixed if args[f] != saved.get(f, args[f])]:
+        raise UsageError(f"--resume continues the run as it began: --{changed[0].replace('_', '-')} is "
+                         f"{saved[changed[0]]!r} there, not {args[changed[0]]!r}; start a new run instead")
+
+def base_evaluation(args: Args, trainer: Trainer) -> tuple:
+    """The base model's evaluation, cached on this machine under a key of all that determines it (the weights, the
+    evaluation's flags, the script, torch, the CPU and its threads), so a campaign evaluates the base once."""
+    weights = toy_folder(args) if args.model == "toy" else Path(args.model)  # a hub id: no such folder, its name
+    files = sorted(p for p in weights.rglob("*") if p.is_file()) if weights.exists() else []
+    prompts = Path(args.prompts).read_text() if args.prompts else ""
+    key = {"weights": [(str(p.relative_to(weights)), p.stat().st_size, p.stat().st_mtime_ns) for p in files],
+           "prompts_text": prompts,
+           **{k: v for k, v in dataclasses.asdict(args).items() if k in EVALUATION_FLAGS}, "code": code_id(),
+           "torch": torch.__version__, "cpu": cpu_name(), "threads": torch.get_num_threads(),
+           "device": str(trainer.policy.device)}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    path = cache_folder(args) / "base_eval" / f"{digest}.pt"
+    if args.base_cache and path.exists():
+        return torch.load(path, weights_only=True)
+    made = evaluate(trainer.policy, args, trainer.reward_fn)
+    if args.base_cache:  # written whole, then renamed: a reader never sees half a file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(made, path.with_suffix(f".tmp{os.getpid()}"))
+        os.replace(path.with_suffix(f".tmp{os.getpid()}"), path)
+    return made
+
+EVALUATION_FLAGS = ("model", "reward", "reward_model", "extra_penalty", "prompts", "resolution", "dtype", "micro_batch",
+                    "eval_per_tag", "eval_steps", "tune", "guidance", "pretrain", "pretrain_steps")
 
 @contextlib.contextmanager
 def ema_applied(ema, params: list):
@@ -1481,14 +1653,14 @@ def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None
     grid, metas = policy.time_grid(args.eval_steps), [metas[i] for i in pairs.tolist()]
     images, rewards, reward_fn = [], [], reward_fn or build_reward(args, policy.device)
     cond = policy.encode([m["prompt"] for m in metas], device="cpu")  # the text encoders' one use, kept on the CPU
-    for part in torch.arange(len(metas)).split(args.micro_batch or len(metas)):
-        part_cond = {k: e[part].to(policy.device) for k, e in cond.items()}
-        x = noise[part.to(noise.device)]  # the ODE keeps only the current state
+    for batch in torch.arange(len(metas)).split(args.micro_batch or len(metas)):
+        batch_cond = {k: e[batch].to(policy.device) for k, e in cond.items()}
+        x = noise[batch.to(noise.device)]  # the ODE keeps only the current state
         for t, t_next in zip(grid[:-1].tolist(), grid[1:].tolist()):
-            x = ode_step(x, policy.velocity(x, torch.full((len(x),), t, device=x.device), part_cond), t, t_next)
+            x = ode_step(x, policy.velocity(x, torch.full((len(x),), t, device=x.device), batch_cond), t, t_next)
         image = policy.decode(x)
-        rewards.append(reward_fn(image, [metas[i] for i in part.tolist()]).float().cpu())
-        images.append(image.cpu())  # only the part being scored stays on the device
+        rewards.append(reward_fn(image, [metas[i] for i in batch.tolist()]).float().cpu())
+        images.append(image.cpu())  # only the batch being scored stays on the device
     images, rewards, tags = torch.cat(images), torch.cat(rewards), [m.get("tag", "prompt") for m in metas]
     scores = {"reward": rewards, "pair": pairs}
     if args.model != "toy":
@@ -1566,118 +1738,17 @@ def plot_curves(history: list[dict], path: Path, label: str) -> None:
         ax.legend(fontsize=7)
     fig.savefig(path, dpi=110)
 
-def comparison_runs(args: Args) -> list[tuple[str, Args]]:
-    """(label, args) of a head-to-head's runs, seed by seed: --method all (the five) or a list, where a method may
-    change flags after colons (g2rpo:granularities=1), with each of --compare-seeds."""
-    variants = {}  # label -> (method, the flags it changes)
-    for label in (m for item in args.method.split(",") for m in (CREDIT_ASSIGNMENT if item == "all" else [item])):
-        method, *changes = label.split(":")
-        try:  # name=value, as the flag's type reads it; true or false for a switch
-            variants[label] = method, {k: {"true": True, "false": False}[v] if type(getattr(Args, k)) is bool
-                                       else type(getattr(Args, k))(v) for k, v in (c.split("=") for c in changes)}
-        except (AttributeError, KeyError, ValueError):
-            raise UsageError(f"--method {label}: a flag after a colon is name=value (g2rpo:granularities=1)") from None
-    return [(label, validate(dataclasses.replace(args, **flags, method=method, seed=seed, compare_seeds=str(seed),
-                                                 workers=1)))
-            for seed in parse_ints(args.compare_seeds, "--compare-seeds", "0-11", seeds=True)
-            for label, (method, flags) in variants.items()]
-
-def compare(args: Args) -> Path:
-    """The head-to-head: every run of `comparison_runs` in --out/comparison, shared by `workers` processes of one
-    thread; the base is evaluated once (base.json). A run with a record is done and a started one resumes, so the same
-    command continues, also in a folder seeded with committed records. Then each label's mean gain over its seeds."""
-    runs, folder, device = comparison_runs(args), Path(args.out) / "comparison", resolve_device(args.device)
-    workers = min(args.workers or (1 if device.type == "cuda" else len(os.sched_getaffinity(0))), len(runs))
-    if workers > 1:  # the base's evaluation at the runs' one thread, so that it equals theirs bit for bit
-        torch.set_num_threads(1)
-    folder.mkdir(parents=True, exist_ok=True)
-    if not (folder / "base_eval.pt").exists():  # the LoRA starts at zero: every run's first evaluation is the base's
-        start, first = time.time(), runs[0][1]
-        metrics, images, metas, scores = evaluate(load_policy(first, device), first)
-        torch.save((metrics, images, metas, scores), folder / "base_eval.tmp")
-        os.replace(folder / "base_eval.tmp", folder / "base_eval.pt")
-        if not (folder / "base.json").exists():  # a seeded folder keeps the committed one
-            base = metrics | {"scores": per_pair(scores), "seconds": time.time() - start}
-            (folder / "base.json").write_text(json.dumps(base))
-    print(f"head-to-head: {len(runs)} runs in {folder}, {workers} process(es); {hours_left(runs, folder, workers)}")
-    if workers == 1:
-        run_all(runs, folder, workers)
-    else:  # one thread a process, as measured on 2 CPU cores: two of one thread outrun one of two; errors come here
-        with ProcessPoolExecutor(workers, mp_context=torch.multiprocessing.get_context("spawn"),
-                                 initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            list(pool.map(run_all, *zip(*[(runs, folder, workers)] * workers)))
-    summarise(folder)
-    return folder
-
-def run_all(runs: list, folder: Path, workers: int) -> None:
-    """A worker of the head-to-head: in order, each run without a record that no other worker holds."""
-    for label, a in runs:
-        path = folder / f"{label.replace(':', '+')}-seed{a.seed}.json"  # the record; the run's folder without .json
-        with path.with_suffix(".claim").open("w") as claim:
-            try:
-                fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # another worker's
-            if not path.exists():
-                run = path.with_suffix("")
-                train(a, str(run) if (run / "checkpoint.pt").exists() else None, run, folder / "base_eval.pt")
-                write_record(path, label, a)
-                print(f"head-to-head: {path.stem} done; {hours_left(runs, folder, workers)}")
-
 def per_pair(scores: dict) -> dict:
     """An evaluation's per-pair scores for a record: pair numbers, the toy's integer scores or a model's rewards."""
     kept = ("pair", "strict", "geneval", "extra") if "strict" in scores else ("pair", "reward")
     return {k: scores[k].int().tolist() if k != "reward" else [round(x, 4) for x in scores[k].tolist()] for k in kept}
-
-def write_record(path: Path, label: str, a: Args) -> None:
-    """A finished run's record (assets/comparison): flags, cost, machine and code, the training reward of every
-    iteration, and every evaluation after the base's with its per-pair scores (the base's is base.json)."""
-    run, cpu = path.with_suffix(""), Path("/proc/cpuinfo")
-    history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    evaluations = [h | {"scores": per_pair(torch.load(run / f"scores_{h['iteration']:04d}.pt", weights_only=True))}
-                   for h in history if "eval_overall" in h and h["iteration"] > 0]
-    model = re.search(r"model name\s*: (.*)", cpu.read_text()) if cpu.exists() else None
-    code = Path(__file__).read_bytes()  # its git object id: `git log --find-object=ID` names the commits that hold it
-    blob = hashlib.sha1(b"blob %d\0" % len(code) + code).hexdigest()
-    record = {"label": label, "seed": a.seed, "args": dataclasses.asdict(a), "iterations": a.iterations,
-              "nfe": history[-1]["nfe"], "seconds": history[-1]["wall_s"], "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "cpu": model[1] if model else "unknown", "code": blob,
-              "reward_mean": [h["reward_mean"] for h in history if "reward_mean" in h], "evaluations": evaluations}
-    path.write_text(json.dumps(record, separators=(",", ":")))  # ~25 kB a toy run
-
-def hours_left(runs: list, folder: Path, workers: int) -> str:
-    """The runs without a record and their projected hours: each label trains at its records' mean seconds per
-    iteration (a label without a record yet is named, not counted) and evaluates at the base's speed."""
-    speed, done = collections.defaultdict(list), set()  # label -> seconds per training iteration of its records
-    for record in (json.loads(p.read_text()) for p in folder.glob("*-seed*.json")):
-        speed[record["label"]].append(record["seconds"] / record["iterations"])
-        done.add((record["label"], record["seed"]))
-    left = [(label, a) for label, a in runs if (label, a.seed) not in done]
-    evaluation = json.loads((folder / "base.json").read_text())["seconds"]  # of every held-out pair
-    seconds = [np.mean(speed[label]) * a.iterations + evaluation * (2 + a.iterations // a.eval_every
-               * a.curve_per_tag / a.eval_per_tag) for label, a in left if speed[label]]
-    new = ", ".join(sorted({label for label, _ in left if not speed[label]}))  # labels without a record yet
-    return f"{len(left)} runs to go, {sum(seconds) / workers / 3600:.1f} h" + (f" + untimed {new}" if new else "")
-
-def summarise(folder: Path) -> None:
-    """Each label's mean strict gain over its seeds (real models: the reward's), with Student's 95% t-interval."""
-    from scipy import stats
-    gains = collections.defaultdict(list)
-    for record in (json.loads(p.read_text()) for p in sorted(folder.glob("*-seed*.json"))):
-        end = record["evaluations"][-1]
-        gains[record["label"]].append(end.get("gain_strict", end["gain_overall"]))
-    for label, g in sorted(gains.items(), key=lambda kv: (list(CREDIT_ASSIGNMENT).index(kv[0].split(":")[0]), kv[0])):
-        half = stats.t.ppf(0.975, len(g) - 1) * np.std(g, ddof=1) / math.sqrt(len(g)) if len(g) > 1 else math.nan
-        interval = f" ± {half:.3f} (Student's 95% t-interval)" if len(g) > 1 else " (one seed: no interval)"
-        print(f"{label:24} {len(g):2} seeds: gain {np.mean(g):+.3f}{interval}")
-    print(f"the rest (IQM, paired differences, Holm, figures): notebooks/03_head_to_head.ipynb on {folder}")
 
 def benchmark(args: Args) -> dict:
     """Seconds per phase of `args.benchmark` iterations after an untimed warm-up, images/s, peak memory; no files."""
     args, dist = validate(args), Dist(device=resolve_device(args.device))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError("--benchmark measures one process on one device; run it without torchrun")
-    parts, cuda = setup(args, dist), dist.device.type == "cuda"
+    trainer, cuda = setup(args, dist), dist.device.type == "cuda"
     spent, sync = collections.Counter(), torch.cuda.synchronize if cuda else (lambda: None)
 
     def timed(phase, fn, *a):  # fn(*a), its seconds added to spent[phase]
@@ -1690,10 +1761,10 @@ def benchmark(args: Args) -> dict:
 
     def iteration(it: int) -> dict:
         spent.clear()
-        ctx = timed("encode_s", iteration_context, args, parts, it, Meter())
+        ctx = timed("encode_s", iteration_context, args, trainer, it, Meter())
         ctx.reward_fn = lambda images, metas, score=ctx.reward_fn: timed("reward_s", score, images, metas)
         transitions, _ = timed("sample_s", CREDIT_ASSIGNMENT[args.method], ctx)
-        stats = timed("train_s", update, parts.policy, parts.opt, ctx.cond, transitions, args, ctx.gen)
+        stats = timed("train_s", update, trainer.policy, trainer.opt, ctx.cond, transitions, args, ctx.gen)
         spent["sample_s"] -= spent["reward_s"]  # the reward ran inside the sampling phase
         return dict(spent, passes=ctx.meter.nfe, images=ctx.meter.reward_calls, transitions=stats.get("trained", 0))
 
@@ -1716,8 +1787,8 @@ def benchmark(args: Args) -> dict:
 # ----------------------------------------------------------------------------------------------------
 # 11 CLI
 
-def parse_args(argv=None) -> tuple[Args, str | None]:
-    """CLI -> (Args, resume folder). With --resume, the run's saved args are overridden by the flags given."""
+def parse_args(argv=None) -> Args:
+    """CLI -> Args. With --resume RUN_DIR, the run's saved args overridden by the flags given, and --run RUN_DIR."""
     import argparse
     import inspect
     class Parser(argparse.ArgumentParser):
@@ -1728,30 +1799,22 @@ def parse_args(argv=None) -> tuple[Args, str | None]:
     parser = Parser(description="GRPO with credit assignment for flow-matching text-to-image models.",
                     argument_default=argparse.SUPPRESS)  # only the flags given appear in the namespace
     for f in dataclasses.fields(Args):
-        kind = {"bool": dict(action="store_true"), "int": dict(type=int), "float": dict(type=float)}
+        kind = {"bool": dict(action=argparse.BooleanOptionalAction), "int": dict(type=int), "float": dict(type=float)}
         parser.add_argument("--" + f.name.replace("_", "-"), help=f"{helps[f.name]} (default: {f.default})",
                             **kind.get(f.type, dict(type=str)))
-    parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR (a head-to-head: its command)")
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR with its flags")
     given = vars(parser.parse_args(argv))
     resume = given.pop("resume", None)
     if resume and not (Path(resume) / "args.json").exists():
         raise UsageError(f"--resume {resume}: no args.json there (a run folder written by this script is expected)")
     saved = json.loads((Path(resume) / "args.json").read_text()) if resume else {}
-    fixed = ["lr", "weight_decay", "ema", "lr_schedule"] + ["iterations"] * (saved.get("lr_schedule") == "cosine")
-    if changed := [f for f in fixed if f in given and given[f] != saved.get(f, given[f])]:  # the checkpoint fixes these
-        raise UsageError(f"--resume continues the run as it began: --{changed[0].replace('_', '-')} is "
-                         f"{saved[changed[0]]!r} there, not {given[changed[0]]!r}; start a new run instead")
-    return Args(**{**saved, **given}), resume
+    saved = {k: v for k, v in saved.items() if k in Args.__dataclass_fields__} | ({"run": resume} if resume else {})
+    return Args(**{**saved, **given})
 
 def main(argv=None) -> int:
     try:
-        args, resume = parse_args(argv)
-        if args.benchmark and not resume:
-            benchmark(args)
-        elif args.method not in CREDIT_ASSIGNMENT or len(comparison_runs(args)) > 1:
-            compare(args)
-        else:
-            train(args, resume)
+        args = parse_args(argv)
+        benchmark(args) if args.benchmark else train(args)
     except (UsageError, RunError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, UsageError) else 1
