@@ -1374,8 +1374,9 @@ def train(args: Args) -> list[dict]:
             start = time.time()
             ctx = iteration_context(args, trainer, it, meter, dist)
             transitions, rewards = CREDIT_ASSIGNMENT[args.method](ctx)  # sample with the method's credit assignment
-            stats = update(trainer.policy, trainer.opt, ctx.cond, transitions, args, ctx.gen, dist) if all_finite(
-                dist, rewards, transitions.advantage) else {"skipped": 1.0}
+            stats = {"skipped": 1.0}  # non-finite rewards or advantages: no update
+            if all_finite(dist, rewards, transitions.advantage):
+                stats = update(trainer.policy, trainer.opt, ctx.cond, transitions, args, ctx.gen, dist)
             meter.nfe += int(stats.get("trained", 0)) * (2 if args.beta > 0 else 1) * trainer.policy.passes  # (+ ref.)
             if stats.get("trained") and not stats.get("skipped"):  # optimizer steps were taken and kept
                 ema.step(trainer.params)
