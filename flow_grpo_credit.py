@@ -1524,7 +1524,10 @@ class RunFolder:
             return
         pairs = None if it in (0, args.iterations) else curve_pairs(trainer.held_out, args.curve_per_tag)
         with ema_applied(self.ema, trainer.params):  # at 0 the adapter is 0: the base
-            made = evaluate(policy, args, trainer.reward_fn, pairs=pairs) if it else base_evaluation(args, trainer)
+            if it:
+                made = evaluate(policy, args, trainer.reward_fn, pairs=pairs)
+            else:
+                made = base_evaluation(args, trainer, self.code)
         metrics, images, metas, scores = made
         self.state["base_scores"] = self.state.get("base_scores") or scores  # gains pair with the first evaluation
         base = {k: v[scores["pair"]] for k, v in self.state["base_scores"].items()}  # the same pairs as this one's
@@ -1586,15 +1589,16 @@ def refuse_changed_flags(saved: dict, args: dict) -> None:
         raise UsageError(f"--resume continues the run as it began: --{changed[0].replace('_', '-')} is "
                          f"{saved[changed[0]]!r} there, not {args[changed[0]]!r}; start a new run instead")
 
-def base_evaluation(args: Args, trainer: Trainer) -> tuple:
+def base_evaluation(args: Args, trainer: Trainer, code: str) -> tuple:
     """The base model's evaluation, cached on this machine under a key of all that determines it (the weights, the
-    evaluation's flags, the script, torch, the CPU and its threads), so a campaign evaluates the base once."""
+    evaluation's flags, the script's `code` id as the run started, torch, the CPU and its threads), so a campaign
+    evaluates the base once."""
     weights = toy_folder(args) if args.model == "toy" else Path(args.model)  # a hub id: no such folder, its name
     files = sorted(p for p in weights.rglob("*") if p.is_file()) if weights.exists() else []
     prompts = Path(args.prompts).read_text() if args.prompts else ""
     key = {"weights": [(str(p.relative_to(weights)), p.stat().st_size, p.stat().st_mtime_ns) for p in files],
            "prompts_text": prompts,
-           **{k: v for k, v in dataclasses.asdict(args).items() if k in EVALUATION_FLAGS}, "code": code_id(),
+           **{k: v for k, v in dataclasses.asdict(args).items() if k in EVALUATION_FLAGS}, "code": code,
            "torch": torch.__version__, "cpu": cpu_name(), "threads": torch.get_num_threads(),
            "device": str(trainer.policy.device)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
