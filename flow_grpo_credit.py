@@ -32,29 +32,8 @@ A step's log-prob is a MEAN over the D = C*H*W dimensions, as in every official 
 likelihood ratio (grpo_loss). Ids, masks and counters live on the CPU, what meets the model on `policy.device`;
 they cross only in `Dist`, `Transitions`, `build_reward`. Noise is drawn on CPU generators: CPU and GPU runs match.
 
-Deviations from the papers and official codes, cited as "Deviation n" where the code makes them
-    1. The toy world stands in for SD3.5 + GenEval. Its default reward, toy-strict, ranks images as the strict rule
-       does: GenEval's rule accepts extra objects, and GRPO learns them; a charge on extras alone drops asked ones.
-    2. KL is the exact KL of one transition, mean_d (mu - mu_ref)^2 / (2 s_k^2), s_k = sigma_t sqrt(dt_k), as TempFlow's
-       code; Flow-GRPO's code divides by sigma_t^2, so equal penalties need beta = beta_FlowGRPO * dt_k.
-    3. Advantages: the group's population std + 1e-4, as TempFlow's code (Flow-GRPO: the batch's; G2RPO, GCPO: n - 1).
-    4. The toy's optimiser, LoRA r 16: lr 1e-3 (G2RPO 3e-4), constant (`--lr-schedule cosine`: to 0 over the run), 8
-       AdamW steps an iteration, clip 1e-3, grad norm 1, a 1.0 (G2RPO 0.7 under the flow SDE), no KL. The codes, all at
-       a constant lr and a 0.7: Flow-GRPO LoRA, lr 3e-4, 2 steps an epoch, clip 1e-4; TempFlow the same and beta 0.004;
-       G2RPO full weights, lr 2e-6, a step per branch point, clip 1e-4; GCPO full, lr 1e-5, clip 5e-5, norm 0.01.
-    5. Under the ddim SDE the first step (t = 1) is deterministic, carries no log-prob and is not trained.
-    6. Stepwise normalises the last step's gain with the others but, as every method here, never trains it.
-    7. TempFlow trains `branch_steps` (3) random branch points (code: all 9), 8 children of 2 seeds (v3: 6 of 4).
-    8. G2RPO's continuations reach t = 0 exactly (official code: Tweedie's x0_hat where a coarse grid stops short of 0).
-    9. Chunk's `--chunks auto` (default) is this project's heuristic: boundaries split the relative-L1 profile's total
-       variation equally; `paper` scales v1's and GCPO code's [2,3,4,7] of 16 steps (GCPO's paper: the profile's slope
-       signs, in no released code). All chunks train (code: 2 of 4, `--chunk-fraction 0.5`); the reward scores the
-       final state (code: x0_hat of the last step); each image has its own noise (code: one per GPU, 2 prompts x 12).
-   10. The cps SDE keeps the full Gaussian log-density; the official code drops its constants and 1/(2s^2), so there a
-       near-deterministic step's gradient is not scaled up; here no step with std under `min_std` of the median trains.
-   11. Stepwise's reward of a state scores x0_hat from `tweedie_substeps` (5) Euler steps to t = 0, as the paper's
-       T' = 5 ODE sub-steps (Fig. 10, robust to 2-8); their spacing is unstated: here uniform in t, with the
-       sampler's guidance. `--tweedie-substeps 1` is Tweedie's one-step x0_hat = x - t v.
+Deviations from the papers and official codes: the README's numbered list, cited as "Deviation n" where the code
+makes them.
 """
 from __future__ import annotations
 
@@ -70,7 +49,6 @@ import math
 import os
 import random
 import re
-import resource
 import sys
 import textwrap
 import time
@@ -179,7 +157,7 @@ class Args:
     eval_per_tag: int = 256  # held-out evaluation prompts (each with its own noise) per GenEval category
     curve_per_tag: int = 32  # of these, those evaluated between the start and the end (the curves' points)
     out: str = "runs"  # folder that receives one sub-folder per run
-    run: str = ""  # the run's folder: new, resumed from its checkpoint, or finished (default: OUT/METHOD-seedN-TIME)
+    run: str = ""  # the run's folder: new, resumed with its flags, or finished (default: OUT/METHOD-seedN-TIME)
     seed: int = 0  # seed of the whole run (prompts, noise, LoRA init)
     device: str = "auto"  # auto, cpu or cuda
     pretrain: bool = False  # toy: pretrain the base model here (cached) instead of loading the shipped weights
@@ -218,9 +196,8 @@ class Args:
 
     pretrain_steps: int = 1600  # toy: pretraining steps of the base model (the rest of its recipe: pretrain_toy)
 
-    checkpoint_every: int = 10  # write checkpoint.pt every N iterations (and at the end); --resume RUN_DIR continues
+    checkpoint_every: int = 10  # write checkpoint.pt every N iterations (and at the end); --run FOLDER resumes it
     max_nonfinite: int = 3  # stop after this many iterations in a row with non-finite rewards, advantages or loss
-    benchmark: int = 0  # time N iterations (after a warm-up one): seconds per phase, images per second, memory
 
     @property
     def sde_level(self) -> float:
@@ -314,33 +291,26 @@ Detection = collections.namedtuple("Detection", "cls color centre size")  # cls 
 def detect(img: np.ndarray, min_area: int = 6) -> list[Detection]:
     """The toy object detector: nearest palette colour per pixel, 4-connected components, shape rule, exact on
     rendered images: a square fills its box, a circle misses its corners (fill 21/25), a triangle is bottom-heavy."""
+    from scipy import ndimage
     palette = np.array([(0.0, 0.0, 0.0), *COLORS.values()])  # (5, 3), black background first
-    nearest = ((img[:, :, None, :] - palette) ** 2).sum(-1).argmin(-1)  # (RES, RES)
-    found, seen = [], np.zeros_like(nearest, dtype=bool)
-    for start in zip(*np.nonzero(nearest)):
-        if seen[start]:
-            continue
-        pixels = [start]
-        seen[start] = True
-        for y, x in pixels:  # flood fill: the list grows while it is walked
-            for p in ((y + 1, x), (y - 1, x), (y, x + 1), (y, x - 1)):
-                if 0 <= p[0] < RES and 0 <= p[1] < RES and not seen[p] and nearest[p] == nearest[start]:
-                    seen[p] = True
-                    pixels.append(p)
-        if len(pixels) < min_area:
-            continue
-        ys, xs = np.array(pixels).T
-        h, w = ys.max() - ys.min() + 1, xs.max() - xs.min() + 1
-        top, bottom = (ys < ys.min() + h // 2).sum(), (ys >= ys.max() + 1 - h // 2).sum()
-        if not (3 <= h <= 7 and 3 <= w <= 7):
-            cls = None
-        elif top < 0.7 * bottom:
-            cls = "triangle"
-        else:
-            cls = "square" if len(pixels) / (h * w) >= 0.92 else "circle"
-        centre = (float(xs.min() + xs.max() + 1) / 2, float(ys.min() + ys.max() + 1) / 2)  # box centre, as GenEval
-        found.append(Detection(cls, list(COLORS)[nearest[start] - 1], centre, (int(w), int(h))))
-    return found
+    nearest = ((img[:, :, None, :] - palette) ** 2).sum(-1).argmin(-1)  # (RES, RES), 0 the background
+    found = []
+    for colour in range(1, len(palette)):
+        components, n = ndimage.label(nearest == colour)  # 4-connected: scipy's default structure
+        for ys, xs in (np.nonzero(components == i) for i in range(1, n + 1)):  # each in raster order
+            if len(ys) < min_area:
+                continue
+            h, w = ys.max() - ys.min() + 1, xs.max() - xs.min() + 1
+            top, bottom = (ys < ys.min() + h // 2).sum(), (ys >= ys.max() + 1 - h // 2).sum()
+            if not (3 <= h <= 7 and 3 <= w <= 7):
+                cls = None
+            elif top < 0.7 * bottom:
+                cls = "triangle"
+            else:
+                cls = "square" if len(ys) / (h * w) >= 0.92 else "circle"
+            centre = (float(xs.min() + xs.max() + 1) / 2, float(ys.min() + ys.max() + 1) / 2)  # box centre, as GenEval
+            found.append((ys[0] * RES + xs[0], Detection(cls, list(COLORS)[colour - 1], centre, (int(w), int(h)))))
+    return [d for _, d in sorted(found)]  # in the raster order of each object's first pixel
 
 def score_image(img: np.ndarray, meta: dict) -> dict:
     """The scores of one image against its prompt:
@@ -1264,7 +1234,7 @@ RULES = {  # what a valid value of each flag is, and how to tell
     ">= 3": (["steps"], lambda v: v >= 3),
     "> 0": (["clip_range", "max_grad_norm", "resolution"], lambda v: v > 0),
     ">= 0": (["micro_batch", "noise_level", "min_std", "extra_penalty", "beta", "lora_rank", "lora_alpha",
-              "branch_steps", "benchmark"], lambda v: v >= 0),
+              "branch_steps"], lambda v: v >= 0),
     ">= 1": (["prompts_per_iter", "eval_steps", "eval_every", "eval_per_tag", "curve_per_tag", "inner_updates",
               "tweedie_substeps", "seeds", "num_chunks", "pretrain_steps", "checkpoint_every", "max_nonfinite"],
              lambda v: v >= 1),
@@ -1316,7 +1286,7 @@ def prompt_sets(args: Args) -> tuple[list[dict] | None, list[dict]]:
         raise UsageError(f"--prompts {args.prompts}: needs at least 2 prompts (one a line); it has {len(metas)}")
     return [m for i, m in enumerate(metas) if i % 10], metas[5::10] if args.tune else metas[::10]
 
-# What training and --benchmark both build before their first iteration; grid: the (S+1,) training time grid
+# What training (and notebooks/benchmark.py) builds before the first iteration; grid: the (S+1,) training time grid
 Trainer = collections.namedtuple("Trainer",
                                  "policy reward_fn params opt lr_schedule grid chunk_sizes train_pool held_out")
 
@@ -1390,7 +1360,7 @@ def all_finite(dist: Dist, *tensors: torch.Tensor) -> bool:
     """Whether every value is finite on every rank (so that all ranks skip an update together)."""
     return bool(dist.reduce(torch.stack([torch.isfinite(x).all() for x in tensors]).all(), "min"))
 
-NOT_SHAPING = ("out", "run", "device", "cache_dir", "base_cache", "benchmark")  # where and how fast, not what
+NOT_SHAPING = ("out", "run", "device", "cache_dir", "base_cache")  # where and how fast, not what
 
 def run_label(args: Args) -> str:
     """The method and the flags that differ from its defaults (g2rpo:granularities=1): a record's label."""
@@ -1428,7 +1398,7 @@ class RunFolder:
         if "error" in record:
             print(f"{self.path}: stopped at iteration {record['iteration']} ({record['error']}); trying again")
             return False
-        if any(mine.get(k) != v for k, v in record["args"].items() if k not in NOT_SHAPING):
+        if any(mine[k] != v for k, v in record["args"].items() if k in mine and k not in NOT_SHAPING):
             return False
         print(f"{self.path}: finished already (record.json); nothing to do")
         self.history = [json.loads(line) for line in (self.path / "metrics.jsonl").read_text().splitlines()]
@@ -1586,8 +1556,8 @@ def refuse_changed_flags(saved: dict, args: dict) -> None:
     length)."""
     fixed = ["lr", "weight_decay", "ema", "lr_schedule"] + ["iterations"] * (saved.get("lr_schedule") == "cosine")
     if changed := [f for f in fixed if args[f] != saved.get(f, args[f])]:
-        raise UsageError(f"--resume continues the run as it began: --{changed[0].replace('_', '-')} is "
-                         f"{saved[changed[0]]!r} there, not {args[changed[0]]!r}; start a new run instead")
+        raise UsageError(f"a run resumes as it began: --{changed[0].replace('_', '-')} is {saved[changed[0]]!r} in "
+                         f"its folder, not {args[changed[0]]!r}; start a new run (another --run folder) instead")
 
 def base_evaluation(args: Args, trainer: Trainer, code: str) -> tuple:
     """The base model's evaluation, cached on this machine under a key of all that determines it (the weights, the
@@ -1634,8 +1604,6 @@ def save_checkpoint(run: Path, policy, opt, ema, state: dict) -> None:
 
 def load_checkpoint(run: Path, policy, opt, ema) -> dict:
     from peft.utils import set_peft_model_state_dict
-    if not (run / "checkpoint.pt").exists():
-        raise UsageError(f"--resume {run}: no checkpoint.pt there (a run folder written by this script is expected)")
     state = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=True)
     set_peft_model_state_dict(policy.net, state["lora"])
     opt.load_state_dict(state["optimizer"])
@@ -1645,7 +1613,7 @@ def load_checkpoint(run: Path, policy, opt, ema) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------
-# 10 Eval, comparison, benchmark, plots
+# 10 Evaluation and plots
 
 @torch.no_grad()
 def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None, pairs: list[int] | None = None):
@@ -1748,52 +1716,12 @@ def per_pair(scores: dict) -> dict:
     kept = ("pair", "strict", "geneval", "extra") if "strict" in scores else ("pair", "reward")
     return {k: scores[k].int().tolist() if k != "reward" else [round(x, 4) for x in scores[k].tolist()] for k in kept}
 
-def benchmark(args: Args) -> dict:
-    """Seconds per phase of `args.benchmark` iterations after an untimed warm-up, images/s, peak memory; no files."""
-    args, dist = validate(args), Dist(device=resolve_device(args.device))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UsageError("--benchmark measures one process on one device; run it without torchrun")
-    trainer, cuda = setup(args, dist), dist.device.type == "cuda"
-    spent, sync = collections.Counter(), torch.cuda.synchronize if cuda else (lambda: None)
-
-    def timed(phase, fn, *a):  # fn(*a), its seconds added to spent[phase]
-        sync()
-        start = time.perf_counter()
-        out = fn(*a)
-        sync()
-        spent[phase] += time.perf_counter() - start
-        return out
-
-    def iteration(it: int) -> dict:
-        spent.clear()
-        ctx = timed("encode_s", iteration_context, args, trainer, it, Meter())
-        ctx.reward_fn = lambda images, metas, score=ctx.reward_fn: timed("reward_s", score, images, metas)
-        transitions, _ = timed("sample_s", CREDIT_ASSIGNMENT[args.method], ctx)
-        stats = timed("train_s", update, trainer.policy, trainer.opt, ctx.cond, transitions, args, ctx.gen)
-        spent["sample_s"] -= spent["reward_s"]  # the reward ran inside the sampling phase
-        return dict(spent, passes=ctx.meter.nfe, images=ctx.meter.reward_calls, transitions=stats.get("trained", 0))
-
-    iteration(0)  # warm-up: kernels, allocator and caches
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(dist.device)
-    runs = [iteration(it) for it in tqdm(range(1, args.benchmark + 1), desc="benchmark")]
-    mean = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
-    total = sum(mean[k] for k in ("encode_s", "sample_s", "reward_s", "train_s"))
-    memory = ({"peak_allocated_gb": torch.cuda.max_memory_allocated(dist.device) / 1e9,
-               "peak_reserved_gb": torch.cuda.max_memory_reserved(dist.device) / 1e9} if cuda
-              else {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9})  # Linux: KiB
-    device = torch.cuda.get_device_name(dist.device) if cuda else "cpu"
-    result = {"method": args.method, "model": args.model, "device": device, **mean, "total_s": total,
-              "images_per_s": mean["images"] / total, **memory}
-    print("\n".join(f"{k:18} {v:.4g}" if isinstance(v, float) else f"{k:18} {v}" for k, v in result.items()))
-    return result
-
 
 # ----------------------------------------------------------------------------------------------------
 # 11 CLI
 
 def parse_args(argv=None) -> Args:
-    """CLI -> Args. With --resume RUN_DIR, the run's saved args overridden by the flags given, and --run RUN_DIR."""
+    """CLI -> Args. --run FOLDER of a started run: its saved flags, overridden by those given."""
     import argparse
     import inspect
     class Parser(argparse.ArgumentParser):
@@ -1807,19 +1735,15 @@ def parse_args(argv=None) -> Args:
         kind = {"bool": dict(action=argparse.BooleanOptionalAction), "int": dict(type=int), "float": dict(type=float)}
         parser.add_argument("--" + f.name.replace("_", "-"), help=f"{helps[f.name]} (default: {f.default})",
                             **kind.get(f.type, dict(type=str)))
-    parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR with its flags")
     given = vars(parser.parse_args(argv))
-    resume = given.pop("resume", None)
-    if resume and not (Path(resume) / "args.json").exists():
-        raise UsageError(f"--resume {resume}: no args.json there (a run folder written by this script is expected)")
-    saved = json.loads((Path(resume) / "args.json").read_text()) if resume else {}
-    saved = {k: v for k, v in saved.items() if k in Args.__dataclass_fields__} | ({"run": resume} if resume else {})
-    return Args(**{**saved, **given})
+    saved = Path(given.get("run", "")) / "args.json"
+    saved = json.loads(saved.read_text()) if given.get("run") and saved.exists() else {}
+    return Args(**{**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__}, **given})
 
 def main(argv=None) -> int:
     try:
         args = parse_args(argv)
-        benchmark(args) if args.benchmark else train(args)
+        train(args)
     except (UsageError, RunError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, UsageError) else 1

@@ -31,6 +31,15 @@ BASE_STRICT, BASE_OVERALL, BASE_EXTRA = 0.343, 0.559, 0.323  # the shipped base 
 SCRIPT = str(HERE / "flow_grpo_credit.py")
 
 
+def benchmark_module():
+    """notebooks/benchmark.py, the speed and memory benchmark, imported as a module."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("benchmark", HERE / "notebooks" / "benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # ----------------------------------------------------------------------------------------------------
 # toy world
 
@@ -989,7 +998,7 @@ def test_every_flag_is_an_args_field_whose_comment_is_its_help(capsys, monkeypat
         fgc.parse_args(["--help"])
     options = {m[1]: " ".join(m[2].split()) for m in re.finditer(r"^  (--[\w-]+)(.*?)(?=^  --|\Z)",
                                                                    capsys.readouterr().out, re.M | re.S)}
-    assert set(options) == {f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(fgc.Args)} | {"--resume"}
+    assert set(options) == {f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(fgc.Args)}
     for f in dataclasses.fields(fgc.Args):
         row = next(i for i, line in enumerate(source.splitlines(), 1) if line.strip().startswith(f"{f.name}:"))
         assert options[f"--{f.name.replace('_', '-')}"].endswith(f"{comments[row]} (default: {f.default})"), f.name
@@ -1026,7 +1035,7 @@ def test_bad_input_is_a_one_line_error_with_status_2(argv, needle, tmp_path):
 
 def test_benchmark_under_torchrun_is_a_one_line_error(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert fgc.main(["--benchmark", "1"]) == 2
+    assert benchmark_module().main(["--repeat", "1"]) == 2
     assert "without torchrun" in capsys.readouterr().err
 
 
@@ -1218,7 +1227,7 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_cache, tmp_pat
     monkeypatch.setitem(fgc.CREDIT_ASSIGNMENT, "flow_grpo", real)
     run = next((tmp_path / "killed").iterdir())
     assert torch.load(run / "checkpoint.pt", weights_only=True)["iteration"] == 2
-    args = fgc.parse_args(["--resume", str(run)])
+    args = fgc.parse_args(["--run", str(run)])
     assert args.iterations == 4 and args.run == str(run)
     resumed = fgc.train(args)
     assert strip_time(resumed) == strip_time(full)
@@ -1238,12 +1247,12 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_cache, tmp_pat
 
 def test_a_resume_refuses_the_flags_its_checkpoint_fixes(tiny_run, tiny_cache, tmp_path, capsys):
     """The optimizer and the moving average come back from the checkpoint with their lr, weight decay and
-    decay: --resume with other values is a one-line error, and the run folder says what the run does. A
+    decay: --run with other values is a one-line error, and the run folder says what the run does. A
     longer run is fine under a constant lr; under cosine the decay spans the run's iterations."""
     args, run, _ = tiny_run
     before = (run / "args.json").read_text()
     for flag, value in [("--lr", "0.5"), ("--weight-decay", "0.1"), ("--ema", "0.5"), ("--lr-schedule", "cosine")]:
-        assert fgc.main(["--resume", str(run), flag, value]) == 2
+        assert fgc.main(["--run", str(run), flag, value]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and f"{flag} is" in err and "start a new run" in err
     assert (run / "args.json").read_text() == before
@@ -1251,8 +1260,8 @@ def test_a_resume_refuses_the_flags_its_checkpoint_fixes(tiny_run, tiny_cache, t
     assert saved["optimizer"]["param_groups"][0]["lr"] == json.loads(before)["lr"] == args.lr
     cosine = fgc.train(tiny_args(tiny_cache, tmp_path, iterations=1, lr_schedule="cosine"))
     folder = next(tmp_path.iterdir())
-    with pytest.raises(fgc.UsageError, match="--iterations is 1 there, not 2"):
-        fgc.train(fgc.parse_args(["--resume", str(folder), "--iterations", "2"]))
+    with pytest.raises(fgc.UsageError, match="--iterations is 1 in its folder, not 2"):
+        fgc.train(fgc.parse_args(["--run", str(folder), "--iterations", "2"]))
     assert [h["lr"] for h in cosine if "lr" in h] == [fgc.METHOD_DEFAULTS["flow_grpo"]["lr"]]
 
 
@@ -1274,7 +1283,7 @@ def test_chunk_boundaries_come_from_the_base_model_also_when_a_run_resumes(tiny_
     monkeypatch.setattr(fgc, "load_policy", keep)
     first = fgc.train(tiny_args(tiny_cache, tmp_path, method="chunk", num_chunks=2, iterations=2, lr=1e-2))
     run = next(tmp_path.iterdir())
-    fgc.train(fgc.parse_args(["--resume", str(run), "--iterations", "3"]))
+    fgc.train(fgc.parse_args(["--run", str(run), "--iterations", "3"]))
     assert adapter_is_zero == [True, True]  # the resumed run's trained adapter did not move the boundaries
     assert first[0]["chunk_sizes"] == json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["chunk_sizes"]
 
@@ -1375,7 +1384,7 @@ def test_a_run_counts_groups_with_equal_rewards_and_trains_only_the_others(tiny_
 
 
 def test_a_second_writer_of_a_run_folder_is_a_one_line_error(tiny_run, tmp_path):
-    """A run folder has one writer: while a process holds it, a --resume of the same folder is refused."""
+    """A run folder has one writer: while a process holds it, a second start in the same folder is refused."""
     import fcntl
     import shutil
     args, run, _ = tiny_run
@@ -1516,11 +1525,11 @@ torch.distributed.destroy_process_group()  # gloo aborts at exit without it, now
 
 
 def test_benchmark_counts_the_work_of_one_iteration_and_splits_its_time_into_phases(tiny_cache, monkeypatch):
-    """--benchmark times one iteration after a warm-up: its counts are those of one iteration of the method
+    """The benchmark times one iteration after a warm-up: its counts are those of one iteration of the method
     (passes, images, and the transitions update() trained: one group had equal rewards, so only the other's),
     the reward's seconds are taken out of sampling's, and the phases add up to the total."""
     monkeypatch.setattr(fgc, "toy_strict_reward", first_group_flat)
-    result = fgc.benchmark(tiny_args(tiny_cache, "unused", benchmark=1, group_size=3, device="cpu"))
+    result = benchmark_module().benchmark(tiny_args(tiny_cache, "unused", group_size=3, device="cpu"), repeat=1)
     assert result["images"] == 2 * 3 and result["passes"] == 2 * 3 * 4, "2 prompts x group 3, 4 SDE steps"
     assert result["transitions"] == 3 * 3, "the group with a spread: 3 trajectories x 3 trained steps"
     phases = ("encode_s", "sample_s", "reward_s", "train_s")
@@ -1880,9 +1889,9 @@ def test_a_resolution_the_model_cannot_hold_is_a_one_line_usage_error(tiny_real,
 
 
 def test_benchmark_of_a_real_pipeline_counts_cfg_passes(tiny_real):
-    """--benchmark on the tiny SD3 (real CFG: two forward passes a step): counts of passes, images and trained
+    """The benchmark on the tiny SD3 (real CFG: two forward passes a step): counts of passes, images and trained
     transitions of one iteration, the CPU's peak memory (no CUDA figures) and every phase's seconds."""
-    result = fgc.benchmark(real_args(tiny_real, "unused", benchmark=1, device="cpu"))
+    result = benchmark_module().benchmark(real_args(tiny_real, "unused", device="cpu"), repeat=1)
     images, passes = 2 * 2, 2 * 2 * 4 * 2
     assert result["images"] == images and result["passes"] == passes, "2 prompts x group 2, 4 steps, 2 passes"
     assert result["transitions"] == images * 3
