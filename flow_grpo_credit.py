@@ -108,7 +108,7 @@ class Dist:
         if cuda:
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(device)
-        if not torch.distributed.is_initialized():  # 2 h: rank 0 alone loads, pretrains, evaluates; the others wait
+        if not torch.distributed.is_initialized():  # 2 h: rank 0 alone loads and evaluates; the others wait
             torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=2),
                                                  device_id=device if cuda else None)
         return Dist(torch.distributed.get_rank(), world, device)
@@ -160,8 +160,8 @@ class Args:
     run: str = ""  # the run's folder: new, resumed with its flags, or finished (default: OUT/METHOD-seedN-TIME)
     seed: int = 0  # seed of the whole run (prompts, noise, LoRA init)
     device: str = "auto"  # auto, cpu or cuda
-    pretrain: bool = False  # toy: pretrain the base model here (cached) instead of loading the shipped weights
-    cache_dir: str = ""  # where --pretrain caches the toy model (default: $XDG_CACHE_HOME/flow_grpo_credit)
+    toy_base: str = ""  # the toy model's folder (default: the shipped assets/toy_base, notebooks/toy_base.py's output)
+    cache_dir: str = ""  # where the base's evaluations are cached (default: $XDG_CACHE_HOME/flow_grpo_credit)
     base_cache: bool = True  # reuse this machine's evaluation of the base, kept in the cache folder
     tune: bool = False  # evaluate on tuning prompts and noise, never the held-out set's: for choosing flags
 
@@ -194,8 +194,6 @@ class Args:
     weighted_chunks: bool = False  # chunk: draw trained chunks with probability proportional to their relative L1
     chunk_fraction: float = 1.0  # chunk: fraction of chunks trained per trajectory
 
-    pretrain_steps: int = 1600  # toy: pretraining steps of the base model (the rest of its recipe: pretrain_toy)
-
     checkpoint_every: int = 10  # write checkpoint.pt every N iterations (and at the end); --run FOLDER resumes it
     max_nonfinite: int = 3  # stop after this many iterations in a row with non-finite rewards, advantages or loss
 
@@ -223,12 +221,8 @@ _MASK_ROWS = {  # 5x5 masks
     "triangle": ["..#..", ".###.", ".###.", "#####", "#####"],
 }
 SHAPE_MASKS = {k: np.array([[c == "#" for c in row] for row in rows]) for k, rows in _MASK_ROWS.items()}
-VOCAB = ["[PAD]", "[UNK]", "a", "and", "of", *NUMBER_WORDS.values(), *COLORS, *CLASSES,
-         *(c + "s" for c in CLASSES), "left", "right", "above", "below"]
-MAX_TOKENS = 8
-
 def make_prompt(tag: str, rng: random.Random, name_colours: bool = False) -> dict:
-    """One random prompt of a GenEval category; `name_colours` names its free colours too (pretrain_toy)."""
+    """One random prompt of a GenEval category; `name_colours` names its free colours too (the toy's pretraining)."""
     (a, b), (ca, cb) = rng.sample(CLASSES, 2), rng.sample(list(COLORS), 2)
     obj_a, obj_b, word_a, word_b = {"class": a, "count": 1}, {"class": b, "count": 1}, a, b
     if name_colours or tag in ("colors", "color_attr"):
@@ -252,12 +246,6 @@ def eval_prompts(per_tag: int, seed: int = 1234) -> list[dict]:
 def train_prompts(n: int, rng: random.Random, detailed: float = 0.0) -> list[dict]:
     """Random categories, then random prompts of them; a `detailed` fraction names every colour."""
     return [make_prompt(rng.choice(TAGS), rng, detailed > 0 and rng.random() < detailed) for _ in range(n)]
-
-def with_unnamed_object(meta: dict, rng: random.Random) -> dict:
-    """`meta` drawn with one more object, of a class its caption does not name: the toy base's flaw (pretrain_toy)."""
-    named = {item["class"] for item in meta["include"]}
-    unnamed = {"class": rng.choice([c for c in CLASSES if c not in named]), "count": 1}
-    return {**meta, "include": [*meta["include"], unnamed]}
 
 def relations(a: tuple, b: tuple) -> set:
     """GenEval's relative-position rule between objects a and b, each ((x, y) centre, size)."""
@@ -391,31 +379,9 @@ class Policy:
         layers = {k: v * scale if "lora_B" in k else v for k, v in get_peft_model_state_dict(self.net).items()}
         getattr(self, "pipe", StableDiffusionLoraLoaderMixin).save_lora_weights(folder, layers)
 
-def build_tokenizer(length: int = MAX_TOKENS):
-    """A word-level transformers tokenizer over the toy vocabulary (no files needed)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="[UNK]"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]", model_max_length=length)
-
-def build_toy_modules(seed: int, device="cpu"):
-    """Fresh toy UNet and CLIP text encoder on `device`; 1.7M + 0.1M parameters."""
-    from diffusers import UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
-    torch.manual_seed(seed)
-    text_encoder = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=MAX_TOKENS, pad_token_id=0, bos_token_id=0, eos_token_id=0))
-    unet = UNet2DConditionModel(
-        sample_size=RES, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(32, 64, 64),
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=64, attention_head_dim=8, norm_num_groups=16)
-    return unet.to(device), text_encoder.to(device)
-
 class ToyPolicy(Policy):
-    """A tiny diffusers UNet in pixel space ('latents' are pixels in [-1, 1]) and a tiny CLIP text encoder."""
+    """A diffusers UNet2DConditionModel in pixel space ('latents' are pixels in [-1, 1]), 1.7M parameters, and a CLIP
+    text encoder over the toy's words, 0.1M: notebooks/toy_base.py builds and pretrains them."""
 
     lora_defaults = (16, 16.0)  # (rank, alpha)
     lora_targets = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2",
@@ -445,64 +411,21 @@ class ToyPolicy(Policy):
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         return ((x.float() + 1) / 2).clamp(0, 1)  # (N, 3, RES, RES) in [0, 1]
 
-def pretrain_toy(steps: int, device, batch: int = 64, lr: float = 2e-3, detailed: float = 0.5, unnamed: float = 0.3):
-    """Rectified-flow pretraining on rendered shapes: |v(x_t, t, c) - (x1 - x0)|^2, logit-normal t (as SD3), 10% empty
-    captions for CFG, a `detailed` share of captions that name every colour, an EMA (0.99) of the weights. Seeded.
-    -> the modules by name.
-
-    The base's one flaw, on purpose: `unnamed` (30%) of the images hold one more object, of a class the
-    caption does not name, as web alt-text leaves objects out. The base then adds an unasked object to about a
-    third of its images, on every kind of prompt: a defect all prompts share, which RL removes in minutes, and
-    whose removal the methods race on. Its other errors (position, counting) are prompt by prompt."""
-    from diffusers.training_utils import EMAModel
-    unet, text_encoder = build_toy_modules(seed=0, device=device)
-    tokenizer, params = build_tokenizer(), [*unet.parameters(), *text_encoder.parameters()]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(  # a linear warm-up over 50 steps, then a cosine to 0
-        opt, lambda i: min(1.0, (i + 1) / 50) * (1 + math.cos(math.pi * i / steps)) / 2)
-    ema, rng, gen = EMAModel(params, decay=0.99), random.Random(0), torch.Generator().manual_seed(0)
-    for _ in tqdm(range(steps), desc="pretraining toy model", leave=False):
-        metas = train_prompts(batch, rng, detailed)
-        drawn = [with_unnamed_object(m, rng) if rng.random() < unnamed else m for m in metas]
-        x0 = render_batch(drawn, rng) * 2 - 1  # (B, 3, RES, RES) in [-1, 1]
-        captions = [m["prompt"] if rng.random() > 0.1 else "" for m in metas]
-        x1 = torch.randn(x0.shape, generator=gen)
-        t = torch.sigmoid(torch.randn(len(x0), generator=gen))  # logit-normal(0, 1)
-        xt = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * x1
-        ids = tokenizer(captions, padding="max_length", max_length=MAX_TOKENS, return_tensors="pt").input_ids
-        v = unet(xt.to(device), t.to(device) * 1000, text_encoder(ids.to(device)).last_hidden_state).sample
-        opt.zero_grad(set_to_none=True)
-        F.mse_loss(v, (x1 - x0).to(device)).backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        ema.step(params)
-    ema.copy_to(params)
-    return {"unet": unet, "text_encoder": text_encoder, "tokenizer": tokenizer}
-
-TOY_BASE = Path(__file__).resolve().parent / "assets" / "toy_base"  # the shipped base: pretrain_toy's output
+TOY_BASE = Path(__file__).resolve().parent / "assets" / "toy_base"  # the shipped base: notebooks/toy_base.py's output
 
 def cache_folder(args: Args) -> Path:
-    """--cache-dir, or $XDG_CACHE_HOME/flow_grpo_credit: pretrained toy models and the base's evaluations."""
+    """--cache-dir, or $XDG_CACHE_HOME/flow_grpo_credit: the base's evaluations."""
     return Path(args.cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flow_grpo_credit")
 
 def toy_folder(args: Args) -> Path:
-    return cache_folder(args) / f"toy-res{RES}-steps{args.pretrain_steps}-v5" if args.pretrain else TOY_BASE
+    return Path(args.toy_base) if args.toy_base else TOY_BASE
 
 def load_toy(args: Args, device) -> ToyPolicy:
-    """The shipped toy base model, or with --pretrain the cached one, pretraining it first if absent."""
+    """The toy model: the shipped base, or --toy-base FOLDER (unet, text_encoder, tokenizer, saved by diffusers)."""
     from diffusers import UNet2DConditionModel
     from transformers import CLIPTextModel, PreTrainedTokenizerFast
-    folder = toy_folder(args)
-    if not folder.exists():  # it appears whole, renamed from a temporary folder
-        start, modules = time.time(), pretrain_toy(args.pretrain_steps, device)
-        print(f"pretrained the toy model in {time.time() - start:.0f} s; cached in {folder}")
-        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        for name, module in modules.items():
-            module.save_pretrained(tmp / name)
-        if not folder.exists():  # another process may have finished first; its copy is as good
-            tmp.replace(folder)
-    # every run loads what was saved, so that it starts from bit-identical weights
+    if not (folder := toy_folder(args)).is_dir():
+        raise UsageError(f"--toy-base {folder}: no such folder (notebooks/toy_base.py writes one)")
     return ToyPolicy(UNet2DConditionModel.from_pretrained(folder / "unet").to(device).eval(),
                      CLIPTextModel.from_pretrained(folder / "text_encoder").to(device).eval(),
                      PreTrainedTokenizerFast.from_pretrained(folder / "tokenizer"), args.guidance)
@@ -775,7 +698,7 @@ class Trajectory:
 def rollout(policy, cond: dict, x: torch.Tensor, times: torch.Tensor, stochastic, args: Args, meter: Meter,
             gen: torch.Generator | None = None) -> Trajectory:
     """Integrate x (B, C, H, W) along `times` ((S+1,) or (B, S+1), decreasing) with an SDE step where
-    `stochastic` (S,) holds and an Euler step elsewhere: every method samples through this."""
+    `stochastic` (S,) holds and an Euler step elsewhere: every method, and the evaluation, samples through this."""
     b = x.shape[0]
     times = times.expand(b, -1).to(x.device)  # (B, S+1)
     states, steps = [x], []
@@ -1236,7 +1159,7 @@ RULES = {  # what a valid value of each flag is, and how to tell
     ">= 0": (["micro_batch", "noise_level", "min_std", "extra_penalty", "beta", "lora_rank", "lora_alpha",
               "branch_steps"], lambda v: v >= 0),
     ">= 1": (["prompts_per_iter", "eval_steps", "eval_every", "eval_per_tag", "curve_per_tag", "inner_updates",
-              "tweedie_substeps", "seeds", "num_chunks", "pretrain_steps", "checkpoint_every", "max_nonfinite"],
+              "tweedie_substeps", "seeds", "num_chunks", "checkpoint_every", "max_nonfinite"],
              lambda v: v >= 1),
     "0 or >= 1": (["guidance"], lambda v: v == 0 or v >= 1),
     "in [0, 1)": (["ema"], lambda v: 0 <= v < 1),
@@ -1296,7 +1219,7 @@ def setup(args: Args, dist: Dist) -> Trainer:
     from transformers import set_seed
     args = resolved(args)  # the method's lr and iterations
     set_seed(args.seed)
-    if dist.rank > 0:  # rank 0 loads first: it alone pretrains and caches the toy model if needed
+    if dist.rank > 0:  # rank 0 loads first: it alone downloads a hub model if needed
         torch.distributed.barrier()
     policy, reward_fn = load_policy(args, dist.device), build_reward(args, dist.device)
     if dist.rank == 0 and dist.world > 1:
@@ -1583,7 +1506,7 @@ def base_evaluation(args: Args, trainer: Trainer, code: str) -> tuple:
     return made
 
 EVALUATION_FLAGS = ("model", "reward", "reward_model", "extra_penalty", "prompts", "resolution", "dtype", "micro_batch",
-                    "eval_per_tag", "eval_steps", "tune", "guidance", "pretrain", "pretrain_steps")
+                    "eval_per_tag", "eval_steps", "tune", "guidance", "toy_base")
 
 @contextlib.contextmanager
 def ema_applied(ema, params: list):
@@ -1628,10 +1551,8 @@ def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None
     cond = policy.encode([m["prompt"] for m in metas], device="cpu")  # the text encoders' one use, kept on the CPU
     for batch in torch.arange(len(metas)).split(args.micro_batch or len(metas)):
         batch_cond = {k: e[batch].to(policy.device) for k, e in cond.items()}
-        x = noise[batch.to(noise.device)]  # the ODE keeps only the current state
-        for t, t_next in zip(grid[:-1].tolist(), grid[1:].tolist()):
-            x = ode_step(x, policy.velocity(x, torch.full((len(x),), t, device=x.device), batch_cond), t, t_next)
-        image = policy.decode(x)
+        ode = rollout(policy, batch_cond, noise[batch.to(noise.device)], grid, [False] * args.eval_steps, args, Meter())
+        image = policy.decode(ode.states[:, -1])
         rewards.append(reward_fn(image, [metas[i] for i in batch.tolist()]).float().cpu())
         images.append(image.cpu())  # only the batch being scored stays on the device
     images, rewards, tags = torch.cat(images), torch.cat(rewards), [m.get("tag", "prompt") for m in metas]

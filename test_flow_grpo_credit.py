@@ -31,13 +31,20 @@ BASE_STRICT, BASE_OVERALL, BASE_EXTRA = 0.343, 0.559, 0.323  # the shipped base 
 SCRIPT = str(HERE / "flow_grpo_credit.py")
 
 
-def benchmark_module():
-    """notebooks/benchmark.py, the speed and memory benchmark, imported as a module."""
+def notebook_module(name):
+    """notebooks/NAME.py imported as a module: benchmark (speed and memory) or toy_base (the toy model's recipe)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("benchmark", HERE / "notebooks" / "benchmark.py")
+    spec = importlib.util.spec_from_file_location(name, HERE / "notebooks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def benchmark_module():
+    return notebook_module("benchmark")
+
+
+toy_base = notebook_module("toy_base")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -167,11 +174,11 @@ def test_the_default_reward_ranks_images_as_the_strict_rule_does(penalty):
 
 
 def test_the_base_s_flaw_draws_one_object_its_caption_does_not_name():
-    """with_unnamed_object, the pretraining flaw: one more object, of a class the prompt does not name, so that
+    """with_unnamed_object (toy_base), the pretraining flaw: one more object, of a class the prompt does not name, so
     the drawing still passes GenEval's rule for the caption but fails the strict rule with one extra object."""
     rng = random.Random(5)
     metas = [fgc.make_prompt(tag, rng) for tag in fgc.TAGS for _ in range(20)]
-    drawn = [fgc.with_unnamed_object(m, rng) for m in metas]
+    drawn = [toy_base.with_unnamed_object(m, rng) for m in metas]
     for m, d in zip(metas, drawn):
         assert d["prompt"] == m["prompt"] and d["include"][:-1] == m["include"]
         assert d["include"][-1]["class"] not in {item["class"] for item in m["include"]}
@@ -212,7 +219,7 @@ def test_prompts_follow_geneval_schema():
     for m in fgc.eval_prompts(4):
         assert m["tag"] in fgc.TAGS and m["include"] and isinstance(m["prompt"], str)
         assert all(set(item) <= {"class", "count", "color", "position"} for item in m["include"])
-        tokens = fgc.build_tokenizer()(m["prompt"]).input_ids
+        tokens = toy_base.build_tokenizer()(m["prompt"]).input_ids
         assert 1 not in tokens, "every prompt word is in the vocabulary (1 = [UNK])"
 
 
@@ -397,8 +404,8 @@ _POLICY = {}
 
 def random_policy():
     if "p" not in _POLICY:
-        unet, text_encoder = fgc.build_toy_modules(seed=0)
-        policy = fgc.ToyPolicy(unet.eval(), text_encoder.eval(), fgc.build_tokenizer())
+        unet, text_encoder = toy_base.build_toy_modules(seed=0)
+        policy = fgc.ToyPolicy(unet.eval(), text_encoder.eval(), toy_base.build_tokenizer())
         fgc.add_lora(policy, fgc.Args())
         with torch.no_grad():  # a non-zero adapter so that reference and policy differ
             for name, p in policy.net.named_parameters():
@@ -1021,6 +1028,7 @@ def test_every_flag_is_an_args_field_whose_comment_is_its_help(capsys, monkeypat
     (["--ema", "1"], "--ema must be in [0, 1), got 1.0"),
     (["--device", "cuda"], "no CUDA"),
     (["--out", "/proc/forbidden"], "cannot create"),
+    (["--toy-base", "/no/such/toy"], "--toy-base /no/such/toy: no such folder"),
 ])
 def test_bad_input_is_a_one_line_error_with_status_2(argv, needle, tmp_path):
     if argv[0] == "--device" and torch.cuda.is_available():
@@ -1134,12 +1142,15 @@ def test_parse_args_reads_every_flag_and_parse_ints_names_the_flag():
 
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
+    """A cache folder that holds a toy model of the shipped architecture, pretrained 30 steps (toy_base's recipe)."""
+    cache = tmp_path_factory.mktemp("cache")
+    assert toy_base.main(["--out", str(cache / "toy"), "--steps", "30"]) == 0
+    return str(cache)
 
 
 def tiny_args(cache, out, **kw):
     base = {"iterations": 3, "prompts_per_iter": 2, "group_size": 2, "steps": 4, "eval_steps": 2, "eval_per_tag": 1,
-            "eval_every": 2, "pretrain": True, "pretrain_steps": 30, "cache_dir": cache, "out": str(out),
+            "eval_every": 2, "toy_base": str(Path(cache) / "toy"), "cache_dir": cache, "out": str(out),
             "checkpoint_every": 1, "base_cache": False}
     return fgc.Args(**{**base, **kw})
 
@@ -1447,8 +1458,6 @@ def test_a_checkpoint_holds_only_data_and_loads_onto_the_cpu(tiny_run):
     assert all(torch.equal(a, b) for a, b in zip(ema.shadow_params, saved["ema"]["shadow_params"], strict=True))
     moments = [v for s in opt.state_dict()["state"].values() for v in s.values() if v.dim() > 0]
     assert moments and all(m.device.type == "cpu" for m in moments)
-    with pytest.raises(fgc.UsageError, match="no checkpoint.pt"):
-        fgc.load_checkpoint(run / "lora", policy, opt, ema)
 
 
 def test_torchrun_with_two_cpu_ranks_keeps_their_weights_identical(tiny_cache, tmp_path):
@@ -1470,7 +1479,7 @@ def add_lora(policy, args):  # keep a handle on the adapter's parameters and the
 fgc.add_lora = add_lora
 fgc.toy_strict_reward = lambda images, metas, penalty: images.mean((1, 2, 3)).cpu()  # never two equal rewards
 args = fgc.Args(iterations=2, prompts_per_iter=2, group_size=2, steps=4, eval_steps=2, eval_per_tag=1,
-                eval_every=2, pretrain=True, pretrain_steps=30, cache_dir={tiny_cache!r},
+                eval_every=2, toy_base={str(Path(tiny_cache) / "toy")!r}, cache_dir={tiny_cache!r},
                 out={str(tmp_path / 'runs')!r}, device="cpu", lr=1e-2)
 fgc.train(args)
 rank = os.environ['RANK']
@@ -1948,7 +1957,7 @@ def test_bad_real_inputs_are_one_line_errors(tiny_real, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------
-# a measured improvement with the real pretrained toy model (pretrained once, ~5 min, then cached)
+# measured with the shipped toy base model
 
 
 def test_the_shipped_base_model_loads_by_default_and_scores_as_the_readme_states():
@@ -1957,7 +1966,7 @@ def test_the_shipped_base_model_loads_by_default_and_scores_as_the_readme_states
     it is asked (at least half of its images without an extra object are strictly correct) and carries its one
     flaw, an unasked object in about a third of its images."""
     args = fgc.Args()
-    assert not args.pretrain and (fgc.TOY_BASE / "unet" / "diffusion_pytorch_model.safetensors").exists()
+    assert not args.toy_base and (fgc.TOY_BASE / "unet" / "diffusion_pytorch_model.safetensors").exists()
     size = sum(f.stat().st_size for f in fgc.TOY_BASE.rglob("*") if f.is_file())
     assert size < 10e6, f"the shipped base is {size / 1e6:.1f} MB"
     metrics, _, _, scores = fgc.evaluate(fgc.load_toy(args, torch.device("cpu")), args)
@@ -2058,8 +2067,7 @@ def test_a_cached_base_gives_the_gains_of_a_base_evaluated_in_the_run(tiny_cache
     """The base's evaluation is cached under a key of all that determines it: a second run of other training flags
     reuses it (evaluate is not called for it) and logs what a run that evaluates its base logs; other evaluation
     flags miss the cache."""
-    cache, toy = tmp_path / "cache", next(Path(tiny_cache).glob("toy-*"))  # the pretrained toy model alone
-    shutil.copytree(toy, cache / toy.name)
+    cache = tmp_path / "cache"  # no base evaluated yet
     kw = {"cache_dir": str(cache), "iterations": 2, "eval_every": 1, "eval_per_tag": 3}
     fgc.train(tiny_args(tiny_cache, tmp_path / "first", base_cache=True, **kw))
     assert len(list((cache / "base_eval").glob("*.pt"))) == 1
