@@ -25,6 +25,9 @@ import torch
 import flow_grpo_credit as fgc
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # no network: every model here is built and saved by the tests
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n auto: a worker a core, one thread each (no oversubscription),
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # also in the processes a test starts (notebook kernels, torchrun, the CLI)
 
 HERE = Path(__file__).parent
 BASE_STRICT, BASE_OVERALL, BASE_EXTRA = 0.343, 0.559, 0.323  # the shipped base on the held-out set, as in the README
@@ -1030,14 +1033,22 @@ def test_every_flag_is_an_args_field_whose_comment_is_its_help(capsys, monkeypat
     (["--out", "/proc/forbidden"], "cannot create"),
     (["--toy-base", "/no/such/toy"], "--toy-base /no/such/toy: no such folder"),
 ])
-def test_bad_input_is_a_one_line_error_with_status_2(argv, needle, tmp_path):
+def test_bad_input_is_a_one_line_error_with_status_2(argv, needle, tmp_path, capsys):
+    """main() (the CLI's whole path but the interpreter's exit, which the next test runs) prints one line and
+    returns 2, leaving no run folder behind."""
     if argv[0] == "--device" and torch.cuda.is_available():
         pytest.skip("CUDA is present")
     out = ["--out", str(tmp_path / "runs")] if "--out" not in argv else []
-    proc = subprocess.run([sys.executable, SCRIPT, *argv, *out], check=False, capture_output=True, text=True,
-                          cwd=tmp_path)
-    assert proc.returncode == 2
-    assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr
+    assert fgc.main([*argv, *out]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and needle in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_script_exits_with_status_2_and_one_line_on_a_bad_flag(tmp_path):
+    proc = subprocess.run([sys.executable, SCRIPT, "--group-size", "1", "--out", str(tmp_path / "runs")], check=False,
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --group-size must be >= 2, got 1"
     assert not (tmp_path / "runs").exists()
 
 
