@@ -50,6 +50,20 @@ def benchmark_module():
 toy_base = notebook_module("toy_base")
 
 
+# the notebooks, first: notebook 02 is the longest test, and `pytest -n auto` hands tests out in this order
+# (solutions and helpers below, with the notebooks' other tests)
+NOTEBOOKS = ["02_credit_assignment_side_by_side.ipynb", "01_flow_grpo_walkthrough.ipynb", "03_head_to_head.ipynb"]
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_runs_and_its_exercise_checks_fail_as_shipped_and_pass_when_solved(name, tmp_path, monkeypatch):
+    if name.startswith("03"):  # on a copy of the committed records, so that its comparison.md and figures go there
+        monkeypatch.setenv("FGC_COMPARISON", str(shutil.copytree(COMMITTED_RECORDS, tmp_path / "comparison")))
+    shipped, solved = run_notebook(name)
+    assert all("✗" in out and "✓" not in out for out in shipped), shipped
+    assert all("✓" in out and "✗" not in out for out in solved), solved
+
+
 # ----------------------------------------------------------------------------------------------------
 # toy world
 
@@ -2107,7 +2121,6 @@ def test_a_run_that_an_error_stops_leaves_a_record_that_names_it(tiny_cache, tmp
 # ----------------------------------------------------------------------------------------------------
 # notebooks: each runs top to bottom as shipped, and its exercise checks can both fail and pass
 
-NOTEBOOKS = ["01_flow_grpo_walkthrough.ipynb", "02_credit_assignment_side_by_side.ipynb", "03_head_to_head.ipynb"]
 
 NOTEBOOK_SOLUTIONS = {  # reference solutions of the exercise cells, by the cell's "exercise" metadata
     "01_flow_grpo_walkthrough.ipynb": {
@@ -2322,15 +2335,6 @@ def test_comparison_md_and_the_readme_show_each_label_s_interval_as_worked_out_f
          for m in ("stepwise", "tempflow", "g2rpo", "chunk") if m in gains}
     for m, row in holm_rows(d).items():
         assert row in differences, m
-
-
-@pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_runs_and_its_exercise_checks_fail_as_shipped_and_pass_when_solved(name, tmp_path, monkeypatch):
-    if name.startswith("03"):  # on a copy of the committed records, so that its comparison.md and figures go there
-        monkeypatch.setenv("FGC_COMPARISON", str(shutil.copytree(COMMITTED_RECORDS, tmp_path / "comparison")))
-    shipped, solved = run_notebook(name)
-    assert all("✗" in out and "✓" not in out for out in shipped), shipped
-    assert all("✓" in out and "✗" not in out for out in solved), solved
 
 
 def test_notebooks_are_committed_executed_and_small():
