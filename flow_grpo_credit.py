@@ -1657,8 +1657,8 @@ def parse_args(argv=None) -> Args:
         parser.add_argument("--" + f.name.replace("_", "-"), help=f"{helps[f.name]} (default: {f.default})",
                             **kind.get(f.type, dict(type=str)))
     given = vars(parser.parse_args(argv))
-    saved = Path(given.get("run", "")) / "args.json"
-    saved = json.loads(saved.read_text()) if given.get("run") and saved.exists() else {}
+    saved_file = Path(given.get("run", "")) / "args.json"
+    saved = json.loads(saved_file.read_text()) if given.get("run") and saved_file.exists() else {}
     return Args(**{**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__}, **given})
 
 def main(argv=None) -> int:

@@ -4,6 +4,7 @@ Builds the run as training does, then times `--repeat` iterations after an untim
 (encoding, sampling, reward, update), images per second and peak memory. It writes no files."""
 import argparse
 import collections
+import os
 import resource
 import sys
 import time
@@ -20,7 +21,7 @@ import flow_grpo_credit as fgc  # noqa: E402
 def benchmark(args: fgc.Args, repeat: int = 3) -> dict:
     """Mean seconds of each phase over `repeat` iterations, the work they did, images/s, peak memory."""
     args, dist = fgc.validate(args), fgc.Dist(device=fgc.resolve_device(args.device))
-    if int(fgc.os.environ.get("WORLD_SIZE", "1")) > 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise fgc.UsageError("the benchmark measures one process on one device; run it without torchrun")
     trainer, cuda = fgc.setup(args, dist), dist.device.type == "cuda"
     spent, sync = collections.Counter(), torch.cuda.synchronize if cuda else (lambda: None)
