@@ -79,9 +79,9 @@ def generator(*keys) -> torch.Generator:
     return torch.Generator().manual_seed(stable_seed(*keys))
 
 def parse_ints(text: str, flag: str, example: str = "1,2,3") -> list[int]:
-    """'1,2,3' -> [1, 2, 3], or a UsageError naming the flag."""
+    """'1,2,3' -> [1, 2, 3] ('' -> []), or a UsageError naming the flag."""
     try:
-        return [int(item) for item in text.split(",")]
+        return [int(item) for item in text.split(",")] if text else []
     except ValueError:
         raise UsageError(f"{flag} must be integers like {example}, got {text!r}") from None
 
@@ -156,6 +156,8 @@ class Args:
     eval_every: int = 8  # evaluate every N iterations (and at the start and end)
     eval_per_tag: int = 256  # held-out evaluation prompts (each with its own noise) per GenEval category
     curve_per_tag: int = 32  # of these, those evaluated between the start and the end (the curves' points)
+    full_evals: str = ""  # iterations also evaluated on every held-out pair, like 32,40 (comparison points)
+    full_eval_nfe: str = ""  # forward-pass budgets like 64000: every pair at the first iteration that reaches one
     out: str = "runs"  # folder that receives one sub-folder per run
     run: str = ""  # the run's folder: new, resumed with its flags, or finished (default: OUT/METHOD-seedN-TIME)
     seed: int = 0  # seed of the whole run (prompts, noise, LoRA init)
@@ -696,17 +698,21 @@ class Trajectory:
 
 @torch.no_grad()
 def rollout(policy, cond: dict, x: torch.Tensor, times: torch.Tensor, stochastic, args: Args, meter: Meter,
-            gen: torch.Generator | None = None) -> Trajectory:
+            gen: torch.Generator | None = None, v_first: torch.Tensor | None = None) -> Trajectory:
     """Integrate x (B, C, H, W) along `times` ((S+1,) or (B, S+1), decreasing) with an SDE step where
-    `stochastic` (S,) holds and an Euler step elsewhere: every method, and the evaluation, samples through this."""
+    `stochastic` (S,) holds and an Euler step elsewhere: every method, and the evaluation, samples through this.
+    `v_first`: the velocity at x, when a path already holds it (a branch point's): the first step costs no pass."""
     b = x.shape[0]
     times = times.expand(b, -1).to(x.device)  # (B, S+1)
     states, steps = [x], []
     batches = torch.arange(b, device=x.device).split(args.micro_batch or b)  # forward passes of micro_batch samples
     for k in range(times.shape[1] - 1):
         t, t_next = times[:, k], times[:, k + 1]
-        v = torch.cat([policy.velocity(x[i], t[i], {n: c[i] for n, c in cond.items()}) for i in batches])
-        meter.nfe += b * policy.passes
+        if k == 0 and v_first is not None:
+            v = v_first
+        else:
+            v = torch.cat([policy.velocity(x[i], t[i], {n: c[i] for n, c in cond.items()}) for i in batches])
+            meter.nfe += b * policy.passes
         if stochastic[k]:
             x, log_prob, _, std = sde_step(x, v, t, t_next, kind=args.sde, noise_level=args.sde_level, generator=gen)
         else:
@@ -721,8 +727,9 @@ def initial_noise(policy, n: int, gen: torch.Generator) -> torch.Tensor:
 
 @dataclass
 class Transitions:
-    """The N transitions x -> x_next that a method hands the loss. Those with the same `chunk` id share one
-    importance ratio (Chunk-GRPO; by default each is its own chunk); `weight` is TempFlow's step weight."""
+    """The N transitions x -> x_next that a method hands the loss. Those with the same `chunk_id` share one
+    importance ratio (Chunk-GRPO; by default each is its own chunk); those with the same `state_id` start from one
+    state (a branch point's children: one forward pass serves them all); `weight` is TempFlow's step weight."""
 
     x: torch.Tensor  # (N, C, H, W) state before the step
     x_next: torch.Tensor  # (N, C, H, W) sampled state after the step
@@ -734,6 +741,7 @@ class Transitions:
     weight: torch.Tensor  # (N,)
     prompt: torch.Tensor  # (N,) long, CPU: index into this iteration's prompts
     chunk_id: torch.Tensor  # (N,) long, CPU: transitions with the same id share one ratio
+    state_id: torch.Tensor  # (N,) long, CPU: transitions with the same id share x, t and prompt
     step: torch.Tensor  # (N,) long, CPU: index k of the transition on the base grid
 
     def __len__(self) -> int:
@@ -746,17 +754,21 @@ class Transitions:
 
     @staticmethod
     def cat(batches: list["Transitions"]) -> "Transitions":
-        """Concatenation that keeps every batch's chunks apart."""
-        offsets = np.cumsum([0] + [int(b.chunk_id.max()) + 1 if len(b) else 0 for b in batches[:-1]])
-        batches = [dataclasses.replace(b, chunk_id=b.chunk_id + int(o)) for b, o in zip(batches, offsets)]
+        """Concatenation that keeps every batch's chunks and states apart."""
+        ids = {name: np.cumsum([0] + [int(vars(b)[name].max()) + 1 if len(b) else 0 for b in batches[:-1]])
+               for name in ("chunk_id", "state_id")}  # each batch's offsets
+        batches = [dataclasses.replace(b, **{name: vars(b)[name] + int(offsets[i]) for name, offsets in ids.items()})
+                   for i, b in enumerate(batches)]
         return Transitions(**{name: torch.cat([vars(b)[name] for b in batches]) for name in vars(batches[0])})
 
 def transitions_from(traj: Trajectory, prompt: torch.Tensor, advantage, train_mask, *, weight=1.0, chunk_id=None,
-                     first_step: int = 0) -> Transitions:
-    """The trained transitions of a trajectory batch. advantage, weight, chunk_id: a number, (S,), (B, 1) or
-    (B, S); train_mask: (S,) or (B, S) bool; first_step: base-grid index of the first transition."""
+                     state_id=None, first_step: int = 0) -> Transitions:
+    """The trained transitions of a trajectory batch. advantage, weight, chunk_id, state_id: a number, (S,), (B, 1)
+    or (B, S) (ids: each transition its own by default); train_mask: (S,) or (B, S) bool; first_step: base-grid index
+    of the first transition."""
     b, n_steps = traj.log_probs.shape
     keep = torch.as_tensor(train_mask).expand(b, n_steps).flatten().nonzero().flatten()  # (N,) CPU indices of B*S steps
+    own = torch.arange(b * n_steps).view(b, n_steps)  # an id of each transition's own
 
     def pick(value, on=traj.states.device):  # a number, (S,), (B, 1), (B, S) or (B, S, ...) -> (N, ...)
         value = torch.as_tensor(value).to(on)
@@ -767,7 +779,8 @@ def transitions_from(traj: Trajectory, prompt: torch.Tensor, advantage, train_ma
         t_next=pick(traj.times[:, 1:]), log_prob=pick(traj.log_probs), std=pick(traj.stds),
         advantage=pick(advantage).float(), weight=pick(weight),
         prompt=pick(prompt[:, None], "cpu"), step=pick(torch.arange(n_steps) + first_step, "cpu"),
-        chunk_id=pick(torch.arange(b * n_steps).view(b, n_steps) if chunk_id is None else chunk_id, "cpu"))
+        chunk_id=pick(own if chunk_id is None else chunk_id, "cpu"),
+        state_id=pick(own if state_id is None else state_id, "cpu"))
 
 def group_normalise(r: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO's advantage A_i = (r_i - mean_g r) / (std_g r + 1e-4), population std (Deviation 3): r, group (N,) ->
@@ -805,9 +818,10 @@ class Context:
         """Embeddings of prompt ids `prompt` (N,) -> (N, ...) on the device."""
         return {k: e[prompt.to(e.device)] for k, e in self.cond.items()}
 
-    def sample(self, prompt: torch.Tensor, x, times, stochastic) -> Trajectory:
+    def sample(self, prompt: torch.Tensor, x, times, stochastic, v_first=None) -> Trajectory:
         """rollout with this iteration's prompts `prompt` (N,), policy, SDE and noise generator."""
-        return rollout(self.policy, self.cond_of(prompt), x, times, stochastic, self.args, self.meter, self.gen)
+        return rollout(self.policy, self.cond_of(prompt), x, times, stochastic, self.args, self.meter, self.gen,
+                       v_first)
 
     def reward(self, x: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
         """Decode and score latents x (N, C, H, W) of prompts `prompt` (N,) -> (N,), `micro_batch` at a time."""
@@ -887,8 +901,9 @@ def tempflow(ctx: Context):
     """TempFlow-GRPO (arXiv 2508.04324v3, ICLR 2026; code Shredded-Pork/TempFlow-GRPO@e66824e): trajectory
     branching, seed groups (one group: the children of one prompt, noise and k, as its code), Eq. 7's weights.
 
-    ODE path per (prompt, seed); at a bifurcation step k, G children take one SDE step from its state x[k],
-    then ODE; advantage of R_k^j over the G children of (prompt, seed, k); weight w_k = std_k / mean_{trained} std.
+    ODE path per (prompt, seed); at a bifurcation step k, G children take one SDE step from its state x[k] (with the
+    path's velocity there), then ODE; advantage of R_k^j over the G children of (prompt, seed, k); weight
+    w_k = std_k / mean_{trained} std.
     Differs from flow_grpo by: one stochastic step per rollout; per-step rewards; noise-aware weights."""
     b, g, n_steps, seeds = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1, ctx.args.seeds
     prompt = repeat(torch.arange(b), seeds)  # (B*seeds,)
@@ -900,13 +915,15 @@ def tempflow(ctx: Context):
         ks = ks[torch.randperm(len(ks), generator=ctx.shared_gen)[: ctx.args.branch_steps]].sort().values
     branches, rewards = [], []
     for k in ks.tolist():
-        child_prompt = repeat(prompt, g)  # (B*seeds*G,)
+        child_prompt, path = repeat(prompt, g), repeat(torch.arange(b * seeds), g)  # (B*seeds*G,) each child's
         sde_once = [True] + [False] * (n_steps - k - 1)  # one SDE step at k, then the ODE
-        branch = ctx.sample(child_prompt, repeat(ode_path.states[:, k], g), ctx.grid[k:], sde_once)
+        branch = ctx.sample(child_prompt, ode_path.states[path, k], ctx.grid[k:], sde_once,
+                            ode_path.velocities[path, k])
         r = ctx.reward(branch.states[:, -1], child_prompt)
-        adv = ctx.advantages(r, repeat(torch.arange(b * seeds), g))[:, None]  # per (prompt, seed, k)
+        adv = ctx.advantages(r, path)[:, None]  # per (prompt, seed, k)
         only_first = torch.arange(n_steps - k) == 0
-        branches.append(transitions_from(branch, child_prompt, adv, only_first, weight=weight[k], first_step=k))
+        branches.append(transitions_from(branch, child_prompt, adv, only_first, weight=weight[k],
+                                         state_id=path[:, None], first_step=k))
         rewards.append(r)
     return Transitions.cat(branches), torch.cat(rewards)
 
@@ -915,7 +932,8 @@ def g2rpo(ctx: Context):
     bcmi/Granular-GRPO@ef6ec9f): singular stochastic sampling, multi-granularity advantage integration.
 
     Shared ODE anchor per prompt; at every k of the first half of the steps, G branches take one SDE step from its
-    state x[k], each finished by ODE at every granularity lambda (every lambda-th node after t_{k+1}, to t = 0):
+    state x[k] (with the anchor's velocity there, as its code), each finished by ODE at every granularity lambda
+    (every lambda-th node after t_{k+1}, to t = 0):
         A_k^i = sum_lambda (R_k^{i,lambda} - mean_i) / std_i.
     Differs from flow_grpo by: a shared ODE anchor; one SDE step per rollout; per-step, multi-granularity rewards."""
     b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
@@ -925,7 +943,8 @@ def g2rpo(ctx: Context):
     branches, rewards, lams = [], [], sorted(parse_ints(ctx.args.granularities, "--granularities"))
     for k in torch.nonzero(first_half).flatten().tolist():  # every branch point, as its code
         child_prompt = repeat(prompt, g)  # (B*G,)
-        sde = ctx.sample(child_prompt, repeat(anchor.states[:, k], g), ctx.grid[k:k + 2], [True])
+        sde = ctx.sample(child_prompt, anchor.states[child_prompt, k], ctx.grid[k:k + 2], [True],
+                         anchor.velocities[child_prompt, k])
         adv = torch.zeros(b * g, device=sde.states.device)  # (B*G,) fused over granularities
         for lam in lams:
             coarse = continuation_grid(ctx.grid, k + 1, lam)
@@ -934,7 +953,8 @@ def g2rpo(ctx: Context):
             adv += ctx.advantages(r, child_prompt)
             if lam == lams[0]:  # the finest images are logged, as other methods' final images
                 rewards.append(r)
-        branches.append(transitions_from(sde, child_prompt, adv[:, None], [True], first_step=k))
+        branches.append(transitions_from(sde, child_prompt, adv[:, None], [True], state_id=child_prompt[:, None],
+                                         first_step=k))
     return Transitions.cat(branches), torch.cat(rewards)
 
 def continuation_grid(grid: torch.Tensor, start: int, lam: int) -> torch.Tensor:
@@ -1053,11 +1073,19 @@ def grpo_loss(policy, cond: dict, tr: Transitions, args: Args, whole: tuple | No
     return loss, {k: s.detach() for k, s in stats.items()}
 
 def transition_log_probs(policy, cond: dict, tr: Transitions, args: Args) -> tuple[torch.Tensor, torch.Tensor]:
-    """The current policy's log pi_theta(x_next | x) (N,) of stored transitions, and its SDE means (N, C, H, W)."""
-    v = policy.velocity(tr.x, tr.t, {k: e[tr.prompt.to(e.device)] for k, e in cond.items()})
+    """The current policy's log pi_theta(x_next | x) (N,) of stored transitions, and its SDE means (N, C, H, W).
+    One forward pass a distinct state: the children of a branch point share its velocity (Deviation 12)."""
+    first, of_state = first_of_each(tr.state_id)  # (M,) a transition of each state, (N,) each one's state
+    x, t, prompt = tr.x[first], tr.t[first], tr.prompt[first]
+    v = policy.velocity(x, t, {k: e[prompt.to(e.device)] for k, e in cond.items()})[of_state.to(tr.x.device)]
     _, log_prob, mean, _ = sde_step(tr.x, v, tr.t, tr.t_next, kind=args.sde, noise_level=args.sde_level,
                                     prev_sample=tr.x_next)
     return log_prob, mean
+
+def first_of_each(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids (N,) -> (the position of each distinct id's first occurrence (M,), each position's distinct id (N,))."""
+    uniq, inverse = torch.unique(ids, return_inverse=True)
+    return torch.full((len(uniq),), len(ids)).scatter_reduce(0, inverse, torch.arange(len(ids)), "amin"), inverse
 
 def chunk_log_ratios(log_prob, log_prob_old, chunk_id, whole: tuple | None = None) -> torch.Tensor:
     """Chunk-GRPO's chunk ratio in log space (v1 Eq. 14): the mean of each chunk's step log-ratios, (N,) -> (K,).
@@ -1078,11 +1106,15 @@ def adapter_disabled(net):
     finally:
         net.enable_adapters()
 
-def accumulate_gradients(policy, cond: dict, mb: Transitions, args: Args) -> list[dict]:
-    """Backward of a minibatch's loss in pieces of `micro_batch` transitions; under DDP only the last backward syncs."""
+def accumulate_gradients(policy, cond: dict, mb: Transitions, args: Args, meter: Meter = Meter()) -> list[dict]:
+    """Backward of a minibatch's loss in pieces of `micro_batch` transitions; under DDP only the last backward syncs.
+    `meter` counts the forward passes: one a distinct state of a piece (two with the reference's)."""
     pieces = torch.arange(len(mb)).split(args.micro_batch or len(mb))  # (N,) CPU indices, a forward pass each
+    per_state = sum(len(torch.unique(mb.state_id[p])) for p in pieces) * policy.passes
+    meter.nfe += per_state * (2 if args.beta > 0 else 1)
     frozen = None
     if len(pieces) > 1 and len(torch.unique(mb.chunk_id)) < len(mb):  # a chunk may be split: freeze its log-ratios
+        meter.nfe += per_state
         with torch.no_grad():
             frozen = torch.cat([transition_log_probs(policy, cond, mb[p], args)[0] for p in pieces]) - mb.log_prob
     no_sync, stats = getattr(policy.denoiser, "no_sync", contextlib.nullcontext), []
@@ -1093,23 +1125,27 @@ def accumulate_gradients(policy, cond: dict, mb: Transitions, args: Args) -> lis
         stats.append(piece_stats)
     return stats
 
-def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Generator, dist: Dist = Dist()) -> dict:
-    """Inner PPO updates, the first on-policy (ratio 1): a shuffled `train_fraction` of the chunks in `inner_updates`
-    minibatches, one clipped AdamW step each; as in Flow-GRPO, advantage-0 transitions (equal rewards) are dropped.
-    A minibatch whose gradient is not finite undoes the whole update: the adapter and the optimizer go back to where
-    the iteration found them, and the result says `skipped` (with `trained`, the transitions that were computed)."""
+def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Generator, dist: Dist = Dist(),
+           meter: Meter = Meter()) -> dict:
+    """Inner PPO updates, the first on-policy (ratio 1): a shuffled `train_fraction` of the chunks (a branch point's
+    children count as one: their forward pass is one) in `inner_updates` minibatches, one clipped AdamW step each; as
+    in Flow-GRPO, advantage-0 transitions (equal rewards) are dropped. A minibatch whose
+    gradient is not finite undoes the whole update: the adapter and the optimizer go back to where the iteration
+    found them, and the result says `skipped` (with `trained`, the transitions that were computed)."""
     tr = tr[tr.advantage.cpu() != 0]
-    ids = torch.unique(tr.chunk_id)
+    first, of_state = first_of_each(tr.state_id)  # no method shares both: a state's children are single-step chunks
+    unit = tr.chunk_id[first][of_state]  # (N,) a chunk's id, or the first child's for every child of a state
+    ids = torch.unique(unit)
     order = ids[torch.randperm(len(ids), generator=gen)][: max(1, round(len(ids) * args.train_fraction))]
     n_minibatches = int(dist.reduce(min(args.inner_updates, len(order)), "min"))
     params = [p for p in policy.net.parameters() if p.requires_grad]  # the adapter
     before = [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
     stats, norms, n_trained = [], [], 0
     policy.net.train()
-    for chunk_ids in torch.tensor_split(order, n_minibatches) if n_minibatches else []:
-        mb = tr[torch.isin(tr.chunk_id, chunk_ids)]
+    for unit_ids in torch.tensor_split(order, n_minibatches) if n_minibatches else []:
+        mb = tr[torch.isin(unit, unit_ids)]
         opt.zero_grad(set_to_none=True)
-        stats, n_trained = stats + accumulate_gradients(policy, cond, mb, args), n_trained + len(mb)
+        stats, n_trained = stats + accumulate_gradients(policy, cond, mb, args, meter), n_trained + len(mb)
         norms.append(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
         if not torch.isfinite(norms[-1]):  # DDP's average carries a NaN to every rank: all undo together
             with torch.no_grad():
@@ -1188,8 +1224,9 @@ def validate(args: Args) -> Args:
         raise UsageError(f"--method {args.method} with --sde {args.sde} and --steps {args.steps} has no step to train "
                          "(nor the last or a near-deterministic one; g2rpo trains the first half); use more --steps")
     parse_chunks(args.chunks, int(trainable.sum()))
+    parse_ints(args.full_evals, "--full-evals"), parse_ints(args.full_eval_nfe, "--full-eval-nfe")
     lams = parse_ints(args.granularities, "--granularities")
-    if min(lams) < 1 or len(set(lams)) < len(lams):  # a repeated lambda would count its advantage twice
+    if min(lams, default=0) < 1 or len(set(lams)) < len(lams):  # a repeated lambda would count its advantage twice
         raise UsageError(f"--granularities must be distinct positive integers like 1,2,3, got {args.granularities!r}")
     resolve_device(args.device)
     return resolved(args)
@@ -1269,8 +1306,7 @@ def train(args: Args) -> list[dict]:
             transitions, rewards = CREDIT_ASSIGNMENT[args.method](ctx)  # sample with the method's credit assignment
             stats = {"skipped": 1.0}  # non-finite rewards or advantages: no update
             if all_finite(dist, rewards, transitions.advantage):
-                stats = update(trainer.policy, trainer.opt, ctx.cond, transitions, args, ctx.gen, dist)
-            meter.nfe += int(stats.get("trained", 0)) * (2 if args.beta > 0 else 1) * trainer.policy.passes  # (+ ref.)
+                stats = update(trainer.policy, trainer.opt, ctx.cond, transitions, args, ctx.gen, dist, meter)
             if stats.get("trained") and not stats.get("skipped"):  # optimizer steps were taken and kept
                 ema.step(trainer.params)
             folder.log(it, ctx, transitions, rewards, stats, seconds=time.time() - start)
@@ -1289,7 +1325,8 @@ def run_label(args: Args) -> str:
     """The method and the flags that differ from its defaults (g2rpo:granularities=1): a record's label."""
     default = dataclasses.asdict(resolved(Args(method=args.method, model=args.model)))
     changed = {k: v for k, v in dataclasses.asdict(resolved(args)).items() if v != default[k]}
-    return ":".join([args.method, *(f"{k}={v}" for k, v in changed.items() if k not in (*NOT_SHAPING, "seed"))])
+    unlabelled = (*NOT_SHAPING, "seed", "full_evals", "full_eval_nfe")  # where it evaluates in full is not what ran
+    return ":".join([args.method, *(f"{k}={v}" for k, v in changed.items() if k not in unlabelled)])
 
 def code_id() -> str:
     """The script's git object id: `git log --find-object=ID` names the commits that hold it."""
@@ -1408,14 +1445,18 @@ class RunFolder:
 
     def evaluate(self, it: int) -> None:
         """At 0, every eval_every iterations and at the end: the moving average's held-out scores, paired with the
-        base's on the same pairs (a curve point scores every k-th pair of each category, the ends all)."""
+        base's on the same pairs (a curve point scores every k-th pair of each category; the ends, --full-evals and
+        the first iteration past each --full-eval-nfe budget score all)."""
         args, trainer, policy = self.args, self.trainer, self.trainer.policy
-        if it % args.eval_every and it != args.iterations:
+        spent = [0, 0] + [h["nfe"] for h in self.history if "reward_mean" in h]  # passes after each iteration
+        full = (it in (0, args.iterations, *parse_ints(args.full_evals, "--full-evals"))
+                or any(spent[-2] < budget <= spent[-1] for budget in parse_ints(args.full_eval_nfe, "--full-eval-nfe")))
+        if it % args.eval_every and not full:
             return
         nfe = int(self.dist.reduce(self.meter.nfe))
         if not self.writer:  # the other ranks go on and wait for rank 0 in the next collective
             return
-        pairs = None if it in (0, args.iterations) else curve_pairs(trainer.held_out, args.curve_per_tag)
+        pairs = None if full else curve_pairs(trainer.held_out, args.curve_per_tag)
         with ema_applied(self.ema, trainer.params):  # at 0 the adapter is 0: the base
             if it:
                 made = evaluate(policy, args, trainer.reward_fn, pairs=pairs)
@@ -1469,10 +1510,18 @@ class RunFolder:
                   "iterations": self.args.iterations, "nfe": max([0] + [h["nfe"] for h in self.history if "nfe" in h]),
                   "seconds": round(self.wall, 2),
                   "threads": torch.get_num_threads(), "torch": torch.__version__, "cpu": cpu_name(), "code": self.code,
-                  "reward_mean": [h["reward_mean"] for h in self.history if "reward_mean" in h],
+                  "training": training_columns(self.history),
                   "base": evaluations[0] if evaluations else None, "evaluations": evaluations[1:], **error}
         (self.path / "record.json.tmp").write_text(json.dumps(record, separators=(",", ":")))  # ~50 kB a toy run
         os.replace(self.path / "record.json.tmp", self.path / "record.json")
+
+def training_columns(history: list[dict]) -> dict:
+    """Every iteration's line of metrics.jsonl as columns, floats to 4 significant digits (None where a line lacks
+    the key): kl, clipfrac, ratios, each step's mean |advantage|, the passes spent."""
+    lines = [h for h in history if "reward_mean" in h]
+    keys = dict.fromkeys(k for h in lines for k in h if k != "wall_s")
+    return {k: [h.get(k) if isinstance(h.get(k), (int, type(None))) else float(f"{h[k]:.4g}") for h in lines]
+            for k in keys}
 
 def refuse_changed_flags(saved: dict, args: dict) -> None:
     """A resumed run keeps what its checkpoint fixes: the lr, weight decay, moving average, schedule (and a cosine's
@@ -1634,7 +1683,7 @@ def plot_curves(history: list[dict], path: Path, label: str) -> None:
 
 def per_pair(scores: dict) -> dict:
     """An evaluation's per-pair scores for a record: pair numbers, the toy's integer scores or a model's rewards."""
-    kept = ("pair", "strict", "geneval", "extra") if "strict" in scores else ("pair", "reward")
+    kept = ("pair", "strict", "geneval", "extra", "missing") if "strict" in scores else ("pair", "reward")
     return {k: scores[k].int().tolist() if k != "reward" else [round(x, 4) for x in scores[k].tolist()] for k in kept}
 
 

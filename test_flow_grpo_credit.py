@@ -616,7 +616,9 @@ def test_first_inner_step_is_on_policy_for_every_method(method, sde):
                 p.copy_(s)
     assert abs(stats["ratio_first"] - 1) < 1e-5 and stats["clipfrac_first"] == 0
     assert stats["kl"] > 0, "the adapter is non-zero, so the reference differs"
-    assert stats["trained"] == max(1, round(int((tr.advantage != 0).sum()) * 0.25)), "one transition a chunk"
+    children = ctx.args.group_size if method in ("tempflow", "g2rpo") else 1  # a unit: a chunk, or a state's children
+    units = int((tr.advantage != 0).sum()) // children
+    assert stats["trained"] == max(1, round(units * 0.25)) * children, "one transition a chunk, G a branch point"
 
 
 def test_toy_cfg_is_the_guided_combination_of_two_passes():
@@ -638,10 +640,52 @@ def test_toy_cfg_is_the_guided_combination_of_two_passes():
 def test_nfe_counts_every_forward_pass():
     ctx = ctx_for({"method": "g2rpo", "granularities": "1,2", "branch_steps": 0})
     fgc.g2rpo(ctx)
-    # anchor 6 steps x 2 prompts; k in {0,1,2}: 8 branches x (1 SDE step + (5-k) + coarse lambda=2 steps)
+    # anchor 6 steps x 2 prompts; k in {0,1,2}: 8 branches x ((5-k) + coarse lambda=2 steps); the SDE step at k takes
+    # the anchor's velocity, free
     coarse = sum(len(fgc.continuation_grid(ctx.grid, k + 1, 2)) - 1 for k in range(3))
-    assert ctx.meter.nfe == 12 + 8 * (3 + (5 + 4 + 3) + coarse)
+    assert ctx.meter.nfe == 12 + 8 * ((5 + 4 + 3) + coarse)
     assert ctx.meter.reward_calls == 8 * 3 * 2
+
+
+@pytest.mark.parametrize("method", ["tempflow", "g2rpo"])
+def test_a_branch_point_s_children_share_its_velocity_and_one_forward_pass_with_the_per_child_gradient(
+        method, monkeypatch):
+    """The children of a branch point start from one (state, time, prompt). Sampling takes the velocity their path
+    already holds, and draws the same children as a pass of their own would. Training runs one forward pass a
+    state, and its gradient is the per-child computation's; `nfe` counts the passes computed."""
+    flags = {"method": method, "branch_steps": 2, "beta": 0.5, "adv_clip": 1.0}
+    ctx = ctx_for(flags)
+    tr, rewards = fgc.CREDIT_ASSIGNMENT[method](ctx)
+    real_sample = fgc.Context.sample
+    monkeypatch.setattr(fgc.Context, "sample", lambda self, *a: real_sample(self, *a[:4]))  # every velocity anew
+    recomputed = ctx_for(flags)
+    tr_anew, rewards_anew = fgc.CREDIT_ASSIGNMENT[method](recomputed)
+    torch.testing.assert_close(tr_anew.x_next, tr.x_next, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(rewards_anew, rewards, rtol=1e-4, atol=1e-5)
+    assert recomputed.meter.nfe - ctx.meter.nfe == len(tr), "a pass saved a child (one trained step each)"
+    g = ctx.args.group_size
+    children = tr.state_id.view(-1, g)  # (states, G): a branch point's G children, one after another
+    assert len(torch.unique(tr.state_id)) == len(children) and torch.equal(children, children[:, :1].expand(-1, g))
+    shift = (torch.rand(len(tr), generator=torch.Generator().manual_seed(0)) * 4 - 2) * ctx.args.clip_range
+    tr = dataclasses.replace(tr, log_prob=tr.log_prob + shift)  # ratios astride the clip
+    rows, real_forward = [], ctx.policy.forward
+    monkeypatch.setattr(ctx.policy, "forward", lambda x, *a: rows.append(len(x)) or real_forward(x, *a))
+    params = adapter_params(ctx.policy)
+
+    def gradient(transitions):
+        for p in params:
+            p.grad = None
+        meter = fgc.Meter()
+        fgc.accumulate_gradients(ctx.policy, ctx.cond, transitions, ctx.args, meter)
+        return torch.cat([p.grad.flatten() for p in params]), meter.nfe
+
+    (shared, nfe_shared), n_shared = gradient(tr), sum(rows)
+    per_child, nfe_per_child = gradient(dataclasses.replace(tr, state_id=torch.arange(len(tr))))
+    torch.testing.assert_close(shared, per_child, rtol=1e-4, atol=1e-5 * float(per_child.abs().max()))
+    assert n_shared == 2 * len(tr) // g and sum(rows) - n_shared == 2 * len(tr), "a pass a state (and the reference's)"
+    assert (nfe_shared, nfe_per_child) == (n_shared, 2 * len(tr))
+    for p in params:
+        p.grad = None
 
 
 def test_train_fraction_and_branch_steps_subsample_what_is_trained(monkeypatch):
@@ -898,7 +942,7 @@ def device_transitions(n: int, device) -> fgc.Transitions:
         states = {name: torch.randn(n, 3, 4, 4, device=device) for name in ("x", "x_next")}
         std = torch.rand(n, device=device) + 0.1
     return fgc.Transitions(**floats, **states, std=std, prompt=torch.arange(n) % 2, chunk_id=torch.arange(n) // 2,
-                           step=torch.arange(n) % 3)
+                           state_id=torch.arange(n), step=torch.arange(n) % 3)
 
 
 def test_transitions_select_with_cpu_masks_and_keep_every_field_on_its_device():
@@ -1046,6 +1090,8 @@ def test_every_flag_is_an_args_field_whose_comment_is_its_help(capsys, monkeypat
     (["--device", "cuda"], "no CUDA"),
     (["--out", "/proc/forbidden"], "cannot create"),
     (["--toy-base", "/no/such/toy"], "--toy-base /no/such/toy: no such folder"),
+    (["--full-eval-nfe", "64k"], "--full-eval-nfe must be integers like 1,2,3"),
+    (["--method", "g2rpo", "--granularities", ""], "--granularities must be distinct positive integers"),
 ])
 def test_bad_input_is_a_one_line_error_with_status_2(argv, needle, tmp_path, capsys):
     """main() (the CLI's whole path but the interpreter's exit, which the next test runs) prints one line and
@@ -1149,14 +1195,14 @@ def test_setup_resolves_the_method_s_lr_and_schedule_length_itself():
 
 def test_parse_args_reads_every_flag_and_parse_ints_names_the_flag():
     """Every Args field is a flag (only the flags given override the defaults); parse_ints' error is one
-    UsageError line naming the flag."""
+    UsageError line naming the flag, and '' is no integers."""
     args = fgc.parse_args(["--sde", "cps", "--micro-batch", "3", "--extra-penalty", "0.25", "--low-memory",
                            "--no-base-cache"])
     expected = dataclasses.replace(fgc.Args(), sde="cps", micro_batch=3, extra_penalty=0.25, low_memory=True,
                                    base_cache=False)
     assert args == expected and fgc.parse_args([]) == fgc.Args()
-    assert fgc.parse_ints("1,2,3", "--granularities") == [1, 2, 3]
-    for bad in ("a", "2-4", "1,", ""):
+    assert fgc.parse_ints("1,2,3", "--granularities") == [1, 2, 3] and fgc.parse_ints("", "--full-evals") == []
+    for bad in ("a", "2-4", "1,", ","):
         with pytest.raises(fgc.UsageError, match=re.escape(f"--chunks must be integers like 2,3,4, got {bad!r}")):
             fgc.parse_ints(bad, "--chunks", "2,3,4")
 
@@ -1209,7 +1255,8 @@ def test_the_curves_evaluations_score_every_kth_pair_of_each_category_paired_wit
     """With 5 prompts a category and curve_per_tag 2 (k = 2), iteration 1 scores pairs 0, 2 and 4 of each category
     (18 of 30) with their own noise, its gain paired with the base's scores of the same pairs; the start and the end
     score all 30. k follows each category's real size: 50 prompts of one kind at curve_per_tag 32 are all scored.
-    --tune evaluates other prompts with other noise."""
+    --full-evals and the first iteration past a --full-eval-nfe budget score all too. --tune evaluates other prompts
+    with other noise."""
     history = fgc.train(tiny_args(tiny_cache, tmp_path, iterations=2, eval_every=1, eval_per_tag=5, curve_per_tag=2))
     run, evals = next(tmp_path.iterdir()), [h for h in history if "eval_pairs" in h]
     assert [h["eval_pairs"] for h in evals] == [30, 18, 30]
@@ -1218,6 +1265,12 @@ def test_the_curves_evaluations_score_every_kth_pair_of_each_category_paired_wit
     assert mid["pair"].tolist() == chosen and base["pair"].tolist() == list(range(30))
     tags = [fgc.eval_prompts(5)[i]["tag"] for i in chosen]
     assert evals[1]["gain_strict"] == pytest.approx(fgc.by_category(mid["strict"] - base["strict"][chosen], tags)[0])
+    spent = [h["nfe"] for h in history if "reward_mean" in h]  # passes after iterations 1 and 2, the same below
+    flags = {"full_evals": "1", "full_eval_nfe": f"{spent[1] + 1},{10**9}"}  # the first budget reached at iteration 3
+    longer = fgc.train(tiny_args(tiny_cache, tmp_path / "full", iterations=5, eval_every=1, eval_per_tag=5,
+                                 curve_per_tag=2, **flags))
+    assert [h["eval_pairs"] for h in longer if "eval_pairs" in h] == [30, 30, 18, 30, 18, 30]
+    assert "full" not in fgc.run_label(tiny_args(tiny_cache, tmp_path, **flags)), "where it evaluates is no label"
     policy = fgc.load_toy(fgc.validate(tiny_args(tiny_cache, tmp_path)), torch.device("cpu"))
     _, _, metas, scores = fgc.evaluate(policy, fgc.Args(eval_per_tag=2, eval_steps=2), pairs=[0, 2, 5])
     _, images, _, every_pair = fgc.evaluate(policy, fgc.Args(eval_per_tag=2, eval_steps=2))
@@ -2047,7 +2100,7 @@ def test_a_finished_run_writes_its_record_and_the_same_command_again_trains_noth
     assert (record["iterations"], record["nfe"], record["threads"]) == (2, history[-1]["nfe"], torch.get_num_threads())
     git_id = subprocess.run(["git", "hash-object", fgc.__file__], capture_output=True, text=True).stdout.strip()
     assert record["code"] == git_id and record["torch"] == torch.__version__ and record["cpu"]
-    assert [e["iteration"] for e in record["evaluations"]] == [1, 2] and len(record["reward_mean"]) == 2
+    assert [e["iteration"] for e in record["evaluations"]] == [1, 2] and len(record["training"]["reward_mean"]) == 2
     base, (curve, end) = record["base"], record["evaluations"]
     chosen = [category * 9 + j for category in range(6) for j in (0, 4, 8)]
     assert curve["scores"]["pair"] == chosen and end["scores"]["pair"] == list(range(54)) == base["scores"]["pair"]
