@@ -2295,36 +2295,69 @@ SYNTHETIC_SIXTHS = {"flow_grpo": [1, 2, 1], "stepwise": [2, 2, 3], "tempflow": [
 
 
 def synthetic_records(folder: Path) -> Path:
-    """A head-to-head folder of records with known gains: 2 held-out pairs a category; each run evaluates
-    one pair a category at iteration 1 and all twelve at iteration 2 (its end); forward passes per
-    iteration differ by method, so that "about equal forward passes" picks other evaluations."""
-    args = dataclasses.asdict(fgc.Args(eval_per_tag=2, iterations=2))
+    """A head-to-head folder of records with known gains: 2 held-out pairs a category; each run evaluates one pair a
+    category at every iteration and all twelve where the campaign's flags ask (iterations 2 and 3 as --full-evals,
+    the first iteration past 25 forward passes as --full-eval-nfe, and its end); forward passes per iteration and
+    run lengths differ by method. Every full evaluation of a run scores its label and seed's sixths."""
+    args = dataclasses.asdict(fgc.Args(eval_per_tag=2, eval_every=1, full_evals="2,3", full_eval_nfe="25"))
     tags = [m["tag"] for m in fgc.eval_prompts(2)]
 
     def evaluation(iteration, nfe, pairs, j):
         strict = [int(p < 2 * j) for p in pairs]  # the first j categories right
         categories = {f"eval_{t}": 0.5 + 0.1 * (t in tags[: 2 * j]) for t in fgc.TAGS}
         return {"iteration": iteration, "nfe": nfe, "gain_strict": j / 6, "gain_strict_se": 0.01, "gain_overall": 0.1,
-                "gain_overall_se": 0.01, "eval_extra": 0.2, **categories,
-                "scores": {"pair": pairs, "strict": strict, "geneval": strict, "extra": [0] * len(pairs)}}
+                "gain_overall_se": 0.01, "eval_extra": 0.2, "eval_pairs": len(pairs), **categories,
+                "scores": {"pair": pairs, "strict": strict, "geneval": strict, "extra": [0] * len(pairs),
+                           "missing": [0] * len(pairs)}}
 
     folder.mkdir(parents=True)
-    base = evaluation(0, 0, list(range(12)), 0) | {"eval_extra": 0.3, "seconds": 1.0}
-    (folder / "base.json").write_text(json.dumps(base))
+    (folder / "base.json").write_text(json.dumps(evaluation(0, 0, list(range(12)), 0) | {"eval_extra": 0.3}))
     passes = {"flow_grpo": 10, "stepwise": 20, "tempflow": 15, "g2rpo": 25, "chunk": 10}
+    length = {"flow_grpo": 4, "stepwise": 2, "tempflow": 3, "g2rpo": 2, "chunk": 3}
     for label, sixths in SYNTHETIC_SIXTHS.items():
+        cost, n = passes[label.split(":")[0]], length[label.split(":")[0]]
         for seed, j in enumerate(sixths):
-            cost = passes[label.split(":")[0]]
-            record = {"label": label, "seed": seed, "args": args, "iterations": 2, "nfe": 2 * cost, "seconds": 60.0,
-                      "threads": 1, "torch": torch.__version__, "cpu": "test", "code": "test", "reward_mean": [0, 0],
-                      "evaluations": [evaluation(1, cost, list(range(0, 12, 2)), j),
-                                      evaluation(2, 2 * cost, list(range(12)), j)]}
+            full = {2, 3, n} | {i for i in range(1, n + 1) if (i - 1) * cost < 25 <= i * cost}
+            evaluations = [evaluation(i, i * cost, list(range(12)) if i in full else list(range(0, 12, 2)), j)
+                           for i in range(1, n + 1)]
+            record = {"label": label, "seed": seed, "args": args | {"iterations": n}, "iterations": n, "nfe": n * cost,
+                      "seconds": 60.0, "threads": 1, "torch": torch.__version__, "cpu": "test", "code": "test",
+                      "training": {"reward_mean": [0.0] * n}, "evaluations": evaluations}
             (folder / f"{label.replace(':', '+')}-seed{seed}.json").write_text(json.dumps(record))
     return folder
 
 
-def test_the_committed_records_stay_within_3_mb():
-    assert sum(p.stat().st_size for p in COMMITTED_RECORDS.glob("*.json")) < 3e6
+# notebook 03's family: each method against Flow-GRPO at equal iterations and at equal forward passes, two ablations
+FAMILY = [(m, "flow_grpo", by) for m in ("stepwise", "tempflow", "g2rpo", "chunk") for by in ("iterations", "passes")] + [
+    ("g2rpo", "g2rpo:granularities=1", "iterations"), ("chunk", "chunk:chunks=paper", "iterations")]
+
+
+def family_rows(differences: dict, where: dict) -> dict:
+    """Each test's row of notebook 03's paired differences, worked out here from its per-seed differences: the mean,
+    its interval at the Bonferroni level 1 - 0.05/10 of the family of ten, its half-width, the paired t-test's
+    p-value adjusted by Holm over the ten (a test without runs counts p = 1) and the verdict; as far as the verdict,
+    since the rest of the row are the notebook's own descriptions. `where`: each test's comparison point as shown."""
+    from scipy import stats
+
+    m, level = len(FAMILY), 1 - 0.05 / len(FAMILY)
+    p = {t: 2 * stats.t.sf(abs(x.mean()) / (x.std(ddof=1) / math.sqrt(len(x))), len(x) - 1)
+         for t, x in differences.items()}
+    order = sorted(FAMILY, key=lambda t: p.get(t, 1.0))  # Holm: the i-th smallest times (m - i), never below the last
+    adjusted = dict(zip(order, np.maximum.accumulate([min(1, (m - i) * p.get(t, 1.0)) for i, t in enumerate(order)])))
+    rows = {}
+    for t, x in differences.items():
+        half = stats.t.ppf(1 - (1 - level) / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
+        low, high = x.mean() - half, x.mean() + half
+        verdict = ("holds" if low > 0 else "contradicted" if high < 0 else
+                   "equivalent within ±0.03" if -0.03 < low and high < 0.03 else "not told apart")
+        rows[t] = (f"| {t[0]} − {t[1]} | {where[t]}", f"| **{x.mean():+.3f}** [{low:+.3f}, {high:+.3f}] | "
+                   f"±{half:.3f} | "
+                   f"{adjusted[t]:.3f} | {verdict} |")
+    return rows
+
+
+def test_the_committed_records_stay_within_8_mb():
+    assert sum(p.stat().st_size for p in COMMITTED_RECORDS.glob("*.json")) < 8e6
 
 
 def holm_rows(differences: dict) -> dict[str, str]:
@@ -2345,49 +2378,46 @@ def holm_rows(differences: dict) -> dict[str, str]:
     return rows
 
 
-def test_comparison_md_and_the_readme_show_each_label_s_interval_as_worked_out_from_the_committed_records():
+def test_comparison_md_and_the_readme_show_each_label_s_gain_and_each_test_of_the_family_from_the_committed_records():
     """Each label's mean end strict gain over its committed seeds, with Student's 95% t-interval worked out here, is
-    its row in the summary of assets/comparison.md (notebook 03's), and each method's difference from Flow-GRPO at
-    equal iterations, with Holm's adjusted p-value and interval worked out here, is its row of the paired
-    differences. The README shows that summary and the claims."""
+    its row in the summary of assets/comparison.md (notebook 03's); each test of the family, worked out here from the
+    records (both sides' evaluations of every held-out pair at the comparison point, paired by seed), is its row of
+    the paired differences, with its Bonferroni interval and Holm p-value. The README shows the summary and claims."""
     from scipy import stats
 
     records = [json.loads(p.read_text()) for p in COMMITTED_RECORDS.glob("*-seed*.json")]
     text, readme = (HERE / "assets" / "comparison.md").read_text(), (HERE / "README.md").read_text()
     summary, claims, differences = (text.split(f"## {part}\n\n")[1].split("\n\n")[0]
                                     for part in ("Summary", "The papers' claims", "Paired differences"))
-    gains = {}  # label -> {seed: end strict gain}
-    for r in records:
-        gains.setdefault(r["label"], {})[r["seed"]] = r["evaluations"][-1]["gain_strict"]
-    for label, by_seed in gains.items():
-        g = np.array(list(by_seed.values()))
+    runs = {(r["label"], r["seed"]): r for r in records}
+    seeds = {label: sorted(s for lab, s in runs if lab == label) for label, _ in runs}
+    for label, of_label in seeds.items():
+        g = np.array([runs[label, s]["evaluations"][-1]["gain_strict"] for s in of_label])
         half = stats.t.ppf(0.975, len(g) - 1) * g.std(ddof=1) / math.sqrt(len(g))
         shown = f"[{g.mean() - half:+.3f}, {g.mean() + half:+.3f}]" if len(g) > 1 else "[one seed]"
         assert f"| {label} | {len(g)} | **{g.mean():+.3f}** {shown} |" in summary, label
-    assert len(summary.splitlines()) == len(gains) + 2  # a header, a rule and a row a label
+    assert len(summary.splitlines()) == len(seeds) + 2  # a header, a rule and a row a label
     assert summary in readme and claims in readme
 
-    # Each method against Flow-GRPO at equal iterations: per seed, the evaluations nearest the shorter run's end,
-    # their strict gains over the base on the held-out pairs both scored (the mean of the category means)
-    base = json.loads((COMMITTED_RECORDS / "base.json").read_text())
-    args = fgc.Args(**{k: v for k, v in records[0]["args"].items() if k in fgc.Args.__dataclass_fields__})
-    tags = [m["tag"] for m in fgc.prompt_sets(args)[1]]  # each held-out pair's category
-    runs = {(r["label"], r["seed"]): r for r in records}
+    budget = int(records[0]["args"]["full_eval_nfe"])
+    length = {label: runs[label, of_label[0]]["iterations"] for label, of_label in seeds.items()}
 
-    def strict_gain(evaluation, pairs):
-        after, before = (dict(zip(e["scores"]["pair"], e["scores"]["strict"])) for e in (evaluation, base))
-        return np.mean([np.mean([after[p] - before[p] for p in pairs if tags[p] == t]) for t in dict.fromkeys(tags)])
+    def gain_at(run, point):  # its evaluation of every held-out pair at an iteration, or the first past the budget
+        e = next(e for e in run["evaluations"]
+                 if (e["iteration"] == point if point != "budget" else e["nfe"] >= budget))
+        assert e["eval_pairs"] == 1536
+        return e["gain_strict"]
 
-    def difference(run, reference):
-        end = min(run["iterations"], reference["iterations"])
-        e, f = (min(r["evaluations"], key=lambda e: abs(e["iteration"] - end)) for r in (run, reference))
-        pairs = set(e["scores"]["pair"]) & set(f["scores"]["pair"])
-        return strict_gain(e, pairs) - strict_gain(f, pairs)
-
-    d = {m: np.array([difference(runs[m, s], runs["flow_grpo", s]) for s in gains[m] if s in gains["flow_grpo"]])
-         for m in ("stepwise", "tempflow", "g2rpo", "chunk") if m in gains}
-    for m, row in holm_rows(d).items():
-        assert row in differences, m
+    d, where = {}, {}
+    for t in FAMILY:
+        both = [s for s in seeds.get(t[0], []) if s in seeds.get(t[1], [])]
+        if len(both) > 1:
+            point = min(length[t[0]], length[t[1]]) if t[2] == "iterations" else "budget"
+            d[t] = np.array([gain_at(runs[t[0], s], point) - gain_at(runs[t[1], s], point) for s in both])
+            where[t] = f"iteration {point}" if t[2] == "iterations" else f"{budget:,} passes"
+    assert d, "at least one test has two seeds"
+    for t, (start, rest) in family_rows(d, where).items():
+        assert rest in next(line for line in differences.splitlines() if line.startswith(start)), t
 
 
 def test_notebooks_are_committed_executed_and_small():
@@ -2425,10 +2455,11 @@ def test_tune_holds_out_other_lines_of_a_prompts_file_than_the_held_out_set(tmp_
     assert held_out == [f"prompt {i}" for i in (0, 10, 20, 30)] and tuning == [f"prompt {i}" for i in (5, 15, 25, 35)]
 
 
-def test_notebook_03_computes_a_method_s_interval_and_a_holm_adjusted_difference_as_worked_out_here(
+def test_notebook_03_computes_a_method_s_interval_and_the_family_s_holm_adjusted_differences_as_worked_out_here(
         tmp_path, monkeypatch):
-    """On records with known gains: tempflow's mean strict gain with Student's 95% interval, and its difference
-    from Flow-GRPO at equal iterations with Holm's adjusted p-value and interval over the four methods."""
+    """On records with known gains: tempflow's mean strict gain with Student's 95% interval; each of the ten tests of
+    the family, at its comparison point, with its Bonferroni interval, Holm's adjusted p-value and verdict; and
+    tempflow's probability of improvement over Flow-GRPO."""
     import nbformat
     from nbclient import NotebookClient
 
@@ -2442,12 +2473,16 @@ def test_notebook_03_computes_a_method_s_interval_and_a_holm_adjusted_difference
     half = 4.303 * gains.std(ddof=1) / math.sqrt(3)  # Student's t of 2 degrees of freedom, 97.5%
     low, high = gains.mean() - half, gains.mean() + half
     assert f"| tempflow | 3 | **{gains.mean():+.3f}** [{low:+.3f}, {high:+.3f}] |" in text
-    differences = {m: (np.array(SYNTHETIC_SIXTHS[m]) - np.array(SYNTHETIC_SIXTHS["flow_grpo"])) / 6
-                   for m in ("stepwise", "tempflow", "g2rpo", "chunk")}  # each seed's; tempflow's 1, 1, 4 sixths
-    assert holm_rows(differences)["tempflow"] in text
+    sixths = {label: np.array(v) / 6 for label, v in SYNTHETIC_SIXTHS.items()}
+    length = {"flow_grpo": 4, "stepwise": 2, "tempflow": 3, "g2rpo": 2, "chunk": 3}  # synthetic_records' runs
+    where = {t: "25 passes" if t[2] == "passes" else f"iteration {min(length[t[0]], length[t[1].split(':')[0]])}"
+             for t in FAMILY}
+    rows = family_rows({t: sixths[t[0]] - sixths[t[1]] for t in FAMILY}, where)
+    for t, (start, rest) in rows.items():
+        assert rest in next(line for line in text.splitlines() if line.startswith(start)), t
     # rliable's probability of improvement, over all pairs of runs: tempflow's 2, 3, 5 sixths beat Flow-GRPO's 1, 2, 1
     # in 8 of the 9 pairs and tie in one (8.5 / 9). Its bootstrap interval reaches 1 (in over half the resamples every
     # tempflow run beats every Flow-GRPO run) and cannot fall below 0.5 (the resample of 2 sixths on both sides)
-    row = next(line for line in text.splitlines() if line.startswith("| tempflow − flow_grpo | equal iterations |"))
+    row = next(line for line in text.splitlines() if line.startswith("| tempflow − flow_grpo | iteration 3 |"))
     value, low, high = map(float, re.search(r"\| ([\d.]+) \[([\d.]+), ([\d.]+)\] \| 3 of 3 \|$", row).groups())
     assert value == round(8.5 / 9, 2) and high == 1.0 and 0.5 <= low <= value
