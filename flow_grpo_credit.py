@@ -172,7 +172,6 @@ class Args:
     weight_decay: float = 1e-4  # AdamW weight decay
     max_grad_norm: float = 1.0  # global gradient-norm clip
     ema: float = 0.9  # decay of the adapter's moving average (one update an iteration), evaluated and saved; 0: off
-    lr_schedule: str = "constant"  # constant, or cosine: the lr decays to 0 over the run's iterations (Deviation 4)
     inner_updates: int = 8  # optimizer steps per iteration (the samples are split into this many minibatches)
     train_fraction: float = 1.0  # fraction of the transitions (chunks) trained on, drawn at random (DanceGRPO)
     clip_range: float = 1e-3  # PPO clip epsilon of the per-dimension ratio: exp(D eps), 2.2, on the toy's image
@@ -1186,7 +1185,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 CHOICES = {"method": CREDIT_ASSIGNMENT, "sde": SDE_LEVELS, "dtype": ("auto", "fp32", "bf16"),
-           "device": ("auto", "cpu", "cuda"), "lr_schedule": ("constant", "cosine")}
+           "device": ("auto", "cpu", "cuda")}
 RULES = {  # what a valid value of each flag is, and how to tell
     ">= 0 (0: the method's default)": (["iterations", "lr"], lambda v: v >= 0),
     ">= 2": (["group_size"], lambda v: v >= 2),
@@ -1247,12 +1246,10 @@ def prompt_sets(args: Args) -> tuple[list[dict] | None, list[dict]]:
     return [m for i, m in enumerate(metas) if i % 10], metas[5::10] if args.tune else metas[::10]
 
 # What training (and notebooks/benchmark.py) builds before the first iteration; grid: the (S+1,) training time grid
-Trainer = collections.namedtuple("Trainer",
-                                 "policy reward_fn params opt lr_schedule grid chunk_sizes train_pool held_out")
+Trainer = collections.namedtuple("Trainer", "policy reward_fn params opt grid chunk_sizes train_pool held_out")
 
 def setup(args: Args, dist: Dist) -> Trainer:
-    """Model, reward, LoRA adapter (in DDP under torchrun), optimiser, its lr schedule and the training grid."""
-    from diffusers.optimization import get_scheduler
+    """Model, reward, LoRA adapter (in DDP under torchrun), optimiser and the training grid."""
     from transformers import set_seed
     args = resolved(args)  # the method's lr and iterations
     set_seed(args.seed)
@@ -1269,8 +1266,7 @@ def setup(args: Args, dist: Dist) -> Trainer:
         ids = [dist.device] if dist.device.type == "cuda" else None
         policy.denoiser = DistributedDataParallel(policy.net, device_ids=ids, broadcast_buffers=False)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    lr_schedule = get_scheduler(args.lr_schedule, opt, num_warmup_steps=0, num_training_steps=args.iterations)
-    return Trainer(policy, reward_fn, params, opt, lr_schedule, grid, chunk_sizes, *prompt_sets(args))
+    return Trainer(policy, reward_fn, params, opt, grid, chunk_sizes, *prompt_sets(args))
 
 def iteration_context(args: Args, trainer: Trainer, it: int, meter: Meter, dist: Dist = Dist()) -> Context:
     """Iteration `it`'s prompts, embeddings and generators; every draw follows from (seed, it)."""
@@ -1383,7 +1379,6 @@ class RunFolder:
             refuse_changed_flags(json.loads((self.path / "args.json").read_text()), dataclasses.asdict(self.args))
         self.state = (load_checkpoint(self.path, trainer.policy, trainer.opt, ema) if resume
                       else {"iteration": 0, "meter": {}, "wall": 0.0})
-        trainer.lr_schedule.load_state_dict(self.state.get("lr_schedule", trainer.lr_schedule.state_dict()))
         self.history, self.wall = self.state.get("history", []), self.state["wall"]
         if self.writer:
             (self.path / "args.json").write_text(json.dumps(dataclasses.asdict(self.args), indent=2))
@@ -1420,8 +1415,8 @@ class RunFolder:
 
     def log(self, it: int, ctx: Context, transitions: Transitions, rewards: torch.Tensor, stats: dict,
             seconds: float) -> None:
-        """The iteration's line of metrics.jsonl (counters summed over ranks); the lr schedule's step; a stop after
-        `max_nonfinite` skipped updates in a row."""
+        """The iteration's line of metrics.jsonl (counters summed over ranks); a stop after `max_nonfinite` skipped
+        updates in a row."""
         self.wall += seconds
         self.bad_in_row = self.bad_in_row + 1 if stats.get("skipped") else 0
         if self.bad_in_row and self.writer:
@@ -1429,18 +1424,15 @@ class RunFolder:
         if self.bad_in_row >= self.args.max_nonfinite:
             raise RunError(f"stopped at iteration {it}: {self.bad_in_row} iterations in a row had non-finite rewards, "
                            f"advantages or gradient; the last good checkpoint is in {self.path}")
-        dist, schedule = self.dist, self.trainer.lr_schedule
+        dist = self.dist
         rewards = dist.gather(rewards.float())
         adv_abs = segment_mean(transitions.advantage.abs(), transitions.step)[0].tolist()  # one host sync
         per_step = {f"adv_abs/{k}": a for k, a in zip(transitions.step.unique().tolist(), adv_abs)}
         self.record({"iteration": it, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()), **stats,
                      "zero_std_frac": float(torch.cat(ctx.stats["zero_std"]).float().mean()),  # the same on all ranks
                      "transitions": int(dist.reduce(len(transitions))), "nfe": int(dist.reduce(self.meter.nfe)),
-                     "reward_calls": int(dist.reduce(self.meter.reward_calls)), "lr": schedule.get_last_lr()[0],
-                     "wall_s": round(self.wall, 2), **per_step})
-        with warnings.catch_warnings():  # torch warns if no optimizer step came first (flat groups); the lr moves on
-            warnings.simplefilter("ignore", UserWarning)
-            schedule.step()
+                     "reward_calls": int(dist.reduce(self.meter.reward_calls)),
+                     "lr": self.trainer.opt.param_groups[0]["lr"], "wall_s": round(self.wall, 2), **per_step})
         self.bar.set_postfix(reward=f"{self.history[-1]['reward_mean']:.3f}", kl=f"{self.history[-1].get('kl', 0):.2g}")
 
     def evaluate(self, it: int) -> None:
@@ -1477,7 +1469,7 @@ class RunFolder:
         if (it % self.args.checkpoint_every == 0 or it == self.args.iterations) and not self.bad_in_row and self.writer:
             save_checkpoint(self.path, self.trainer.policy, self.trainer.opt, self.ema, {
                 "iteration": it, "meter": dataclasses.asdict(self.meter), "wall": self.wall, "history": self.history,
-                "base_scores": self.state["base_scores"], "lr_schedule": self.trainer.lr_schedule.state_dict()})
+                "base_scores": self.state["base_scores"]})
 
     def finish(self) -> None:
         """The LoRA (the moving average's), the curves, the record, and the held-out scores printed."""
@@ -1524,10 +1516,8 @@ def training_columns(history: list[dict]) -> dict:
             for k in keys}
 
 def refuse_changed_flags(saved: dict, args: dict) -> None:
-    """A resumed run keeps what its checkpoint fixes: the lr, weight decay, moving average, schedule (and a cosine's
-    length)."""
-    fixed = ["lr", "weight_decay", "ema", "lr_schedule"] + ["iterations"] * (saved.get("lr_schedule") == "cosine")
-    if changed := [f for f in fixed if args[f] != saved.get(f, args[f])]:
+    """A resumed run keeps what its checkpoint fixes: the lr, weight decay and moving average."""
+    if changed := [f for f in ("lr", "weight_decay", "ema") if args[f] != saved.get(f, args[f])]:
         raise UsageError(f"a run resumes as it began: --{changed[0].replace('_', '-')} is {saved[changed[0]]!r} in "
                          f"its folder, not {args[changed[0]]!r}; start a new run (another --run folder) instead")
 
