@@ -1375,10 +1375,15 @@ class RunFolder:
             except BlockingIOError:
                 raise UsageError(f"{self.path} is being written by another process; stop it (or let it finish) "
                                  "first") from None
-        if resume:
+        self.state = {"iteration": 0, "meter": {}, "wall": 0.0}
+        if resume:  # onto the CPU, as weights only; the moving average then joins the model
+            from peft.utils import set_peft_model_state_dict
             refuse_changed_flags(json.loads((self.path / "args.json").read_text()), dataclasses.asdict(self.args))
-        self.state = (load_checkpoint(self.path, trainer.policy, trainer.opt, ema) if resume
-                      else {"iteration": 0, "meter": {}, "wall": 0.0})
+            self.state = torch.load(self.path / "checkpoint.pt", map_location="cpu", weights_only=True)
+            set_peft_model_state_dict(trainer.policy.net, self.state["lora"])
+            trainer.opt.load_state_dict(self.state["optimizer"])
+            ema.load_state_dict(self.state["ema"])
+            ema.to(next(trainer.policy.net.parameters()).device)
         self.history, self.wall = self.state.get("history", []), self.state["wall"]
         if self.writer:
             (self.path / "args.json").write_text(json.dumps(dataclasses.asdict(self.args), indent=2))
@@ -1465,11 +1470,16 @@ class RunFolder:
                   f"{args.method} iteration {it}: held-out score {metrics['eval_overall']:.3f}")
 
     def checkpoint(self, it: int) -> None:
-        """Every checkpoint_every iterations and at the end, never from a state with non-finite values."""
+        """Every checkpoint_every iterations and at the end, never from a state with non-finite values: adapter, moving
+        average, optimizer and progress (every draw comes from seeded generators), atomically."""
+        from peft.utils import get_peft_model_state_dict
         if (it % self.args.checkpoint_every == 0 or it == self.args.iterations) and not self.bad_in_row and self.writer:
-            save_checkpoint(self.path, self.trainer.policy, self.trainer.opt, self.ema, {
-                "iteration": it, "meter": dataclasses.asdict(self.meter), "wall": self.wall, "history": self.history,
-                "base_scores": self.state["base_scores"]})
+            state = {"lora": get_peft_model_state_dict(self.trainer.policy.net), "ema": self.ema.state_dict(),
+                     "optimizer": self.trainer.opt.state_dict(), "iteration": it, "wall": self.wall,
+                     "meter": dataclasses.asdict(self.meter), "history": self.history,
+                     "base_scores": self.state["base_scores"]}
+            torch.save(state, self.path / "checkpoint.pt.tmp")
+            os.replace(self.path / "checkpoint.pt.tmp", self.path / "checkpoint.pt")
 
     def finish(self) -> None:
         """The LoRA (the moving average's), the curves, the record, and the held-out scores printed."""
@@ -1556,22 +1566,6 @@ def ema_applied(ema, params: list):
         yield
     finally:
         ema.restore(params)
-
-def save_checkpoint(run: Path, policy, opt, ema, state: dict) -> None:
-    """Adapter, moving average, optimizer and progress (every draw comes from seeded generators), atomically."""
-    from peft.utils import get_peft_model_state_dict
-    torch.save({"lora": get_peft_model_state_dict(policy.net), "optimizer": opt.state_dict(), "ema": ema.state_dict(),
-                **state}, run / "checkpoint.pt.tmp")
-    os.replace(run / "checkpoint.pt.tmp", run / "checkpoint.pt")
-
-def load_checkpoint(run: Path, policy, opt, ema) -> dict:
-    from peft.utils import set_peft_model_state_dict
-    state = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=True)
-    set_peft_model_state_dict(policy.net, state["lora"])
-    opt.load_state_dict(state["optimizer"])
-    ema.load_state_dict(state["ema"])
-    ema.to(next(policy.net.parameters()).device)
-    return state
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1500,8 +1500,8 @@ def test_saved_lora_loads_into_a_fresh_unet_with_diffusers(tiny_run):
     assert (v_trained - v_base).abs().max() > 1e-4, "the adapter changed the model"
 
 
-def test_a_checkpoint_holds_only_data_and_loads_onto_the_cpu(tiny_run):
-    """checkpoint.pt loads with weights_only=True (no pickled code), and load_checkpoint maps it to the CPU
+def test_a_checkpoint_holds_only_data_and_loads_onto_the_cpu(tiny_run, tmp_path):
+    """checkpoint.pt loads with weights_only=True (no pickled code), and RunFolder.open maps it to the CPU
     whatever the policy's device: a policy that reports the meta device (with the real CPU net) gets its
     adapter, optimizer state and moving average back."""
     from diffusers.training_utils import EMAModel
@@ -1514,8 +1514,11 @@ def test_a_checkpoint_holds_only_data_and_loads_onto_the_cpu(tiny_run):
     params = fgc.add_lora(real, args)
     opt, ema = torch.optim.AdamW(params, lr=args.lr), EMAModel(params, decay=args.ema)
     policy = types.SimpleNamespace(device=torch.device("meta"), net=real.net, denoiser=real.net)
-    state = fgc.load_checkpoint(run, policy, opt, ema)
-    assert state["iteration"] == 2
+    shutil.copytree(run, tmp_path / "run")  # open rewrites the folder's args.json and metrics.jsonl
+    folder = fgc.RunFolder(dataclasses.replace(args, run=str(tmp_path / "run")), fgc.Dist())
+    assert folder.open(types.SimpleNamespace(policy=policy, opt=opt), ema)[1] == 3
+    folder.file.close()
+    folder.lock.close()
     lora = get_peft_model_state_dict(real.net)
     assert lora.keys() == saved["lora"].keys() and all(torch.equal(lora[k], saved["lora"][k]) for k in lora)
     assert all(s.device.type == "cpu" for s in ema.shadow_params) and ema.optimization_step == 2
