@@ -1491,14 +1491,11 @@ class RunFolder:
         plot_curves(self.history, self.path / "reward_curve.png", self.args.method)
         self.write_record()
         first, *_, last = [h for h in self.history if "eval_overall" in h]
-        score = "toy-GenEval overall" if self.args.model == "toy" else "held-out reward"
-        print(f"done: {self.path}\n{score} {first['eval_overall']:.3f} -> {last['eval_overall']:.3f} "
-              f"({last['gain_overall']:+.3f} ± {last['gain_overall_se']:.3f} paired s.e.) in {self.wall / 60:.1f} "
-              f"min of training, {self.history[-1]['nfe']:.3g} forward passes")
+        print(f"done: {self.path}\nheld-out score {first['eval_overall']:.3f} -> {last['eval_overall']:.3f} "
+              f"({last['gain_overall']:+.3f} ± {last['gain_overall_se']:.3f} paired s.e.)")
         if "eval_strict" in last:
-            print(f"strict (the asked objects, nothing else) {first['eval_strict']:.3f} -> {last['eval_strict']:.3f} "
-                  f"({last['gain_strict']:+.3f} ± {last['gain_strict_se']:.3f}); "
-                  f"images with extra objects {first['eval_extra']:.1%} -> {last['eval_extra']:.1%}")
+            print(f"strict {first['eval_strict']:.3f} -> {last['eval_strict']:.3f} ({last['gain_strict']:+.3f} ± "
+                  f"{last['gain_strict_se']:.3f}), extra objects {first['eval_extra']:.1%} -> {last['eval_extra']:.1%}")
 
     def write_record(self, **error) -> None:
         """record.json, atomically: flags, cost, machine, code, the training rewards, the base's evaluation and every
