@@ -302,14 +302,10 @@ def detect(img: np.ndarray, min_area: int = 6) -> list[Detection]:
     return [d for _, d in sorted(found)]  # in the raster order of each object's first pixel
 
 def score_image(img: np.ndarray, meta: dict) -> dict:
-    """The scores of one image against its prompt:
-    geneval  GenEval's verdict (0/1): each include item needs >= count objects of its class (and colour, and relation
-             to include[index]); each exclude item needs < count objects of its class.
-    dense    per include item, the mean of min(found, count) / count for its class and for its class in its colour (a
-             position item: that, averaged with its relation), shrunk where an exclude is broken; mean of items.
-    strict   GenEval's verdict and nothing else: no more objects than the prompt asks for.
-    extra    objects found beyond those asked for (any blob counts, a known shape or not).
-    missing  asked objects whose class is not found (per include item, count minus those of its class)."""
+    """One image's scores: geneval, GenEval's verdict (0/1: each include item's count of its class, colour and relation
+    to include[index] is found, each exclude item's is not); dense, its partial credit (per include item, the found
+    share of its class and of its colour, averaged with its relation; shrunk where an exclude is broken); strict,
+    geneval with no extra object; extra, objects beyond those asked (any blob); missing, asked objects not found."""
     dets = detect(img)
     by_class = {c: [d for d in dets if d.cls == c] for c in CLASSES}
     ok, credits = True, []
@@ -381,8 +377,7 @@ class Policy:
         getattr(self, "pipe", StableDiffusionLoraLoaderMixin).save_lora_weights(folder, layers)
 
 class ToyPolicy(Policy):
-    """A diffusers UNet2DConditionModel in pixel space ('latents' are pixels in [-1, 1]), 1.7M parameters, and a CLIP
-    text encoder over the toy's words, 0.1M: notebooks/toy_base.py builds and pretrains them."""
+    """A diffusers UNet2DConditionModel in pixel space ('latents' are pixels in [-1, 1]) and a CLIP text encoder."""
 
     lora_defaults = (16, 16.0)  # (rank, alpha)
     lora_targets = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2",
@@ -413,10 +408,6 @@ class ToyPolicy(Policy):
         return ((x.float() + 1) / 2).clamp(0, 1)  # (N, 3, RES, RES) in [0, 1]
 
 TOY_BASE = Path(__file__).resolve().parent / "assets" / "toy_base"  # the shipped base: notebooks/toy_base.py's output
-
-def cache_folder(args: Args) -> Path:
-    """--cache-dir, or $XDG_CACHE_HOME/flow_grpo_credit: the base's evaluations."""
-    return Path(args.cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flow_grpo_credit")
 
 def toy_folder(args: Args) -> Path:
     return Path(args.toy_base) if args.toy_base else TOY_BASE
@@ -475,8 +466,7 @@ class PipelinePolicy(Policy):
 
     @torch.no_grad()
     def encode(self, prompts: list[str], device=None) -> dict:
-        """The prompts' embeddings (B, ...) on `device` (default: the model's). The text encoders run once for all
-        the new prompts, `micro_batch` at a time; the `cache_size` most recently used stay cached."""
+        """The prompts' embeddings (B, ...) on `device` (default: the model's), encoded `micro_batch` at a time."""
         found = {p: self.cache.pop(p) for p in dict.fromkeys(prompts) if p in self.cache}
         if new := [p for p in dict.fromkeys(prompts) if p not in found]:
             self.encoders.to(self.device)  # --low-memory keeps them on the CPU between uses
@@ -548,11 +538,8 @@ def toy_reward(images: torch.Tensor, metas: list[dict]) -> torch.Tensor:
     return score_batch(images, metas)["dense"]
 
 def toy_strict_reward(images: torch.Tensor, metas: list[dict], penalty: float) -> torch.Tensor:
-    """The default toy reward (Deviation 1), ranked as the strict rule ranks images:
-        r = dense / 2 + strict / 2 - penalty * (extra + missing).
-    A strictly correct image scores 1 and every other at most 1/2; an image that keeps every asked object and adds
-    one scores above one that drops an asked object, whatever the penalty. Charging only extras (r = dense -
-    penalty * extra) teaches the model to draw fewer objects: three circles drawn as two beat three and a square."""
+    """The default toy reward (Deviation 1), which ranks images as the strict rule does:
+        r = dense / 2 + strict / 2 - penalty * (extra + missing)."""
     scores = score_batch(images, metas)
     return scores["dense"] / 2 + scores["strict"] / 2 - penalty * (scores["extra"] + scores["missing"])
 
@@ -669,9 +656,8 @@ def step_stds(grid: torch.Tensor, args: Args) -> torch.Tensor:
 
 def trainable_steps(grid: torch.Tensor, args: Args) -> torch.Tensor:
     """(S,) bool: not the last step, as Flow-GRPO trains 0..S-2, and a std of at least `min_std` times the median
-    stochastic step's. A near-deterministic step (on the toy's grid the flow SDE's last, std 0.009; ddim's and cps's
-    step into t_{S-1}, 0.008) has -log std rule its log-density and 1 / std its score: its gradient is about 100 times
-    the median step's, outweighs every step and swings the ratio past any clip, moving the image by under a pixel."""
+    stochastic step's: a near-deterministic step's log-prob gradient (1 / std) is ~100 times the median's, outweighs
+    every step and swings the ratio past any clip, moving the image by under a pixel."""
     stds, n_steps = step_stds(grid, args), len(grid) - 1
     floor = args.min_std * stds[stds > 0].median()
     return (stds > 0) & (stds >= floor) & (torch.arange(n_steps) < n_steps - 1)
@@ -1044,12 +1030,10 @@ def grpo_loss(policy, cond: dict, tr: Transitions, args: Args, whole: tuple | No
     """PPO's clipped surrogate, as every official code writes it for GRPO -> (loss, stats):
         ratio = exp(log pi_theta(x[k+1] | x[k]) - log pi_old(x[k+1] | x[k]))     per transition
         loss  = mean w max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps))  +  beta mean_k KL_k
-    One generalisation, Chunk-GRPO's: the transitions of a chunk share one ratio, exp of their mean log-ratio
-    (chunk_log_ratios), and the mean runs over chunks; every other method's chunk is one transition. The clip
-    acts on the D-th root of the likelihood ratio: on the whole image it allows exp(D eps), about 2.2 on the toy
-    (D = 768, eps = 1e-3) and about 700 on SD3.5 at 512 px (D = 65,536, eps = 1e-4), so the toy's range and the
-    papers' do not compare. approx_kl is 1/2 E[log_ratio^2], the k2 estimate Flow-GRPO's and DDPO's codes log
-    (CleanRL's (ratio - 1) - log ratio is k3; at |log ratio| ~ 1e-3 the two agree to third order). The KL is to the
+    Chunk-GRPO's generalisation: a chunk's transitions share one ratio, exp of their mean log-ratio, and the mean runs
+    over chunks (every other method's chunk is one transition). The clip acts on the D-th root of the likelihood
+    ratio: on the whole image exp(D eps), 2.2 on the toy (D = 768, eps = 1e-3), 700 on SD3.5 at 512 px (D = 65,536,
+    eps = 1e-4). approx_kl is 1/2 E[log_ratio^2], the k2 estimate Flow-GRPO's and DDPO's codes log; the KL is to the
     adapter-disabled reference (Deviation 2). `whole` = (minibatch, tr's indices in it, its log-ratios (N,) without
     gradient, or None) for a micro-batch `tr`: sums divide by the minibatch's counts, and a chunk's members outside
     `tr` enter its ratio frozen, so each micro-batch backpropagates exactly its members' share of the gradient."""
@@ -1127,10 +1111,8 @@ def accumulate_gradients(policy, cond: dict, mb: Transitions, args: Args, meter:
 def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Generator, dist: Dist = Dist(),
            meter: Meter = Meter()) -> dict:
     """Inner PPO updates, the first on-policy (ratio 1): a shuffled `train_fraction` of the chunks (a branch point's
-    children count as one: their forward pass is one) in `inner_updates` minibatches, one clipped AdamW step each; as
-    in Flow-GRPO, advantage-0 transitions (equal rewards) are dropped. A minibatch whose
-    gradient is not finite undoes the whole update: the adapter and the optimizer go back to where the iteration
-    found them, and the result says `skipped` (with `trained`, the transitions that were computed)."""
+    children count as one) in `inner_updates` minibatches, one clipped AdamW step each, without the advantage-0
+    transitions (as Flow-GRPO). A non-finite gradient undoes the whole update (adapter and optimizer): `skipped`."""
     tr = tr[tr.advantage.cpu() != 0]
     first, of_state = first_of_each(tr.state_id)  # no method shares both: a state's children are single-step chunks
     unit = tr.chunk_id[first][of_state]  # (N,) a chunk's id, or the first child's for every child of a state
@@ -1281,8 +1263,7 @@ def iteration_context(args: Args, trainer: Trainer, it: int, meter: Meter, dist:
 
 def train(args: Args) -> list[dict]:
     """GRPO with the chosen credit assignment in the run folder `args.run` -> the metric records (metrics.jsonl).
-    A new folder starts the run, one with a checkpoint resumes it, one with the run's record returns at once.
-    The loop is the algorithm; RunFolder keeps the books. Under torchrun DDP averages gradients, rank 0 writes."""
+    A new folder starts the run, one with a checkpoint resumes it, one with the run's record returns at once."""
     from diffusers.training_utils import EMAModel
     args = validate(args)
     dist = Dist.setup(resolve_device(args.device))
@@ -1324,24 +1305,19 @@ def run_label(args: Args) -> str:
     unlabelled = (*NOT_SHAPING, "seed", "full_evals", "full_eval_nfe")  # where it evaluates in full is not what ran
     return ":".join([args.method, *(f"{k}={v}" for k, v in changed.items() if k not in unlabelled)])
 
-def code_id() -> str:
-    """The script's git object id: `git log --find-object=ID` names the commits that hold it."""
-    code = Path(__file__).read_bytes()
-    return hashlib.sha1(b"blob %d\0" % len(code) + code).hexdigest()
-
 def cpu_name() -> str:
     cpu = Path("/proc/cpuinfo")
     model = re.search(r"model name\s*: (.*)", cpu.read_text()) if cpu.exists() else None
     return model[1] if model else "unknown"
 
 class RunFolder:
-    """A run's folder and its books, kept outside the training loop: one writer (a lock), args.json, metrics.jsonl,
-    each evaluation's per-pair scores and sample grid, checkpoints, the LoRA, and last record.json: the run's record
-    (flags, cost, machine, code id taken at the start, every evaluation with its per-pair scores), also when an error
-    stops the run. Only rank 0 writes."""
+    """A run's folder and its books, kept outside the training loop (rank 0 writes, under a lock): args.json,
+    metrics.jsonl, each evaluation's scores and sample grid, checkpoints, the LoRA and, last, record.json."""
 
     def __init__(self, args: Args, dist: Dist):
-        self.args, self.dist, self.writer, self.code = args, dist, dist.rank == 0, code_id()
+        self.args, self.dist, self.writer = args, dist, dist.rank == 0
+        code = Path(__file__).read_bytes()  # the script's git object id: `git log --find-object=ID` finds its commits
+        self.code = hashlib.sha1(b"blob %d\0" % len(code) + code).hexdigest()
         self.path = Path(args.run or Path(args.out) / f"{args.method}-seed{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
         self.history, self.wall, self.bad_in_row, self.iteration = [], 0.0, 0, 0
 
@@ -1378,7 +1354,10 @@ class RunFolder:
         self.state = {"iteration": 0, "meter": {}, "wall": 0.0}
         if resume:  # onto the CPU, as weights only; the moving average then joins the model
             from peft.utils import set_peft_model_state_dict
-            refuse_changed_flags(json.loads((self.path / "args.json").read_text()), dataclasses.asdict(self.args))
+            saved, mine = json.loads((self.path / "args.json").read_text()), dataclasses.asdict(self.args)
+            for flag in [f for f in ("lr", "weight_decay", "ema") if mine[f] != saved.get(f, mine[f])]:
+                raise UsageError(f"a run resumes as it began: --{flag.replace('_', '-')} is {saved[flag]!r} in its "
+                                 f"folder, not {mine[flag]!r}; start a new run (another --run folder) instead")
             self.state = torch.load(self.path / "checkpoint.pt", map_location="cpu", weights_only=True)
             set_peft_model_state_dict(trainer.policy.net, self.state["lora"])
             trainer.opt.load_state_dict(self.state["optimizer"])
@@ -1420,8 +1399,7 @@ class RunFolder:
 
     def log(self, it: int, ctx: Context, transitions: Transitions, rewards: torch.Tensor, stats: dict,
             seconds: float) -> None:
-        """The iteration's line of metrics.jsonl (counters summed over ranks); a stop after `max_nonfinite` skipped
-        updates in a row."""
+        """The iteration's metrics.jsonl line (counters summed over ranks); a stop at `max_nonfinite` skips in a row."""
         self.wall += seconds
         self.bad_in_row = self.bad_in_row + 1 if stats.get("skipped") else 0
         if self.bad_in_row and self.writer:
@@ -1502,6 +1480,10 @@ class RunFolder:
         later one with per-pair scores; `error` and `iteration` for a run that an error stopped."""
         if not self.writer:
             return
+        lines = [h for h in self.history if "reward_mean" in h]  # every iteration's metrics as columns, to 4 digits
+        keys = dict.fromkeys(k for h in lines for k in h if k != "wall_s")
+        training = {k: [h.get(k) if isinstance(h.get(k), (int, type(None))) else float(f"{h[k]:.4g}") for h in lines]
+                    for k in keys}
         evaluations = [h | {"scores": per_pair(torch.load(self.path / f"scores_{h['iteration']:04d}.pt",
                                                           weights_only=True))}
                        for h in self.history if "eval_overall" in h]
@@ -1509,24 +1491,10 @@ class RunFolder:
                   "iterations": self.args.iterations, "nfe": max([0] + [h["nfe"] for h in self.history if "nfe" in h]),
                   "seconds": round(self.wall, 2),
                   "threads": torch.get_num_threads(), "torch": torch.__version__, "cpu": cpu_name(), "code": self.code,
-                  "training": training_columns(self.history),
+                  "training": training,
                   "base": evaluations[0] if evaluations else None, "evaluations": evaluations[1:], **error}
         (self.path / "record.json.tmp").write_text(json.dumps(record, separators=(",", ":")))  # ~50 kB a toy run
         os.replace(self.path / "record.json.tmp", self.path / "record.json")
-
-def training_columns(history: list[dict]) -> dict:
-    """Every iteration's line of metrics.jsonl as columns, floats to 4 significant digits (None where a line lacks
-    the key): kl, clipfrac, ratios, each step's mean |advantage|, the passes spent."""
-    lines = [h for h in history if "reward_mean" in h]
-    keys = dict.fromkeys(k for h in lines for k in h if k != "wall_s")
-    return {k: [h.get(k) if isinstance(h.get(k), (int, type(None))) else float(f"{h[k]:.4g}") for h in lines]
-            for k in keys}
-
-def refuse_changed_flags(saved: dict, args: dict) -> None:
-    """A resumed run keeps what its checkpoint fixes: the lr, weight decay and moving average."""
-    if changed := [f for f in ("lr", "weight_decay", "ema") if args[f] != saved.get(f, args[f])]:
-        raise UsageError(f"a run resumes as it began: --{changed[0].replace('_', '-')} is {saved[changed[0]]!r} in "
-                         f"its folder, not {args[changed[0]]!r}; start a new run (another --run folder) instead")
 
 def base_evaluation(args: Args, trainer: Trainer, code: str) -> tuple:
     """The base model's evaluation, cached on this machine under a key of all that determines it (the weights, the
@@ -1541,7 +1509,8 @@ def base_evaluation(args: Args, trainer: Trainer, code: str) -> tuple:
            "torch": torch.__version__, "cpu": cpu_name(), "threads": torch.get_num_threads(),
            "device": str(trainer.policy.device)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-    path = cache_folder(args) / "base_eval" / f"{digest}.pt"
+    cache = Path(args.cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flow_grpo_credit")
+    path = cache / "base_eval" / f"{digest}.pt"
     if args.base_cache and path.exists():
         return torch.load(path, weights_only=True)
     made = evaluate(trainer.policy, args, trainer.reward_fn)
