@@ -423,8 +423,7 @@ def load_toy(args: Args, device) -> ToyPolicy:
                      PreTrainedTokenizerFast.from_pretrained(folder / "tokenizer"), args.guidance)
 
 class PipelinePolicy(Policy):
-    """SD3 / SD3.5 (real CFG) or FLUX.1 (guidance-distilled: the scale is an input, one pass a step) with
-    the VAE's latents (FLUX: 2x2 patches packed into tokens) and the pipeline scheduler's time grid."""
+    """SD3 / SD3.5 (real CFG) or FLUX.1 (guidance-distilled: one pass a step) on the VAE's latents (FLUX: packed)."""
 
     lora_defaults = (32, 64.0)  # Flow-GRPO's r and alpha on SD3.5
     lora_targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
@@ -684,9 +683,8 @@ class Trajectory:
 @torch.no_grad()
 def rollout(policy, cond: dict, x: torch.Tensor, times: torch.Tensor, stochastic, args: Args, meter: Meter,
             gen: torch.Generator | None = None, v_first: torch.Tensor | None = None) -> Trajectory:
-    """Integrate x (B, C, H, W) along `times` ((S+1,) or (B, S+1), decreasing) with an SDE step where
-    `stochastic` (S,) holds and an Euler step elsewhere: every method, and the evaluation, samples through this.
-    `v_first`: the velocity at x, when a path already holds it (a branch point's): the first step costs no pass."""
+    """Integrate x (B, C, H, W) along `times` ((S+1,) or (B, S+1), decreasing), an SDE step where `stochastic` (S,)
+    holds and Euler elsewhere; `v_first`, the velocity at x a path already holds (a branch point's), saves a pass."""
     b = x.shape[0]
     times = times.expand(b, -1).to(x.device)  # (B, S+1)
     states, steps = [x], []
@@ -712,9 +710,8 @@ def initial_noise(policy, n: int, gen: torch.Generator) -> torch.Tensor:
 
 @dataclass
 class Transitions:
-    """The N transitions x -> x_next that a method hands the loss. Those with the same `chunk_id` share one
-    importance ratio (Chunk-GRPO; by default each is its own chunk); those with the same `state_id` start from one
-    state (a branch point's children: one forward pass serves them all); `weight` is TempFlow's step weight."""
+    """The N transitions x -> x_next that a method hands the loss: a chunk (Chunk-GRPO's; else each its own) shares one
+    ratio, a state (a branch point's children) one forward pass; `weight` is TempFlow's step weight."""
 
     x: torch.Tensor  # (N, C, H, W) state before the step
     x_next: torch.Tensor  # (N, C, H, W) sampled state after the step
@@ -748,9 +745,8 @@ class Transitions:
 
 def transitions_from(traj: Trajectory, prompt: torch.Tensor, advantage, train_mask, *, weight=1.0, chunk_id=None,
                      state_id=None, first_step: int = 0) -> Transitions:
-    """The trained transitions of a trajectory batch. advantage, weight, chunk_id, state_id: a number, (S,), (B, 1)
-    or (B, S) (ids: each transition its own by default); train_mask: (S,) or (B, S) bool; first_step: base-grid index
-    of the first transition."""
+    """The trained transitions of a trajectory batch. advantage, weight, chunk_id, state_id (default: each its own): a
+    number, (S,), (B, 1) or (B, S); train_mask: (S,) or (B, S) bool; first_step: base-grid index of step 0."""
     b, n_steps = traj.log_probs.shape
     keep = torch.as_tensor(train_mask).expand(b, n_steps).flatten().nonzero().flatten()  # (N,) CPU indices of B*S steps
     own = torch.arange(b * n_steps).view(b, n_steps)  # an id of each transition's own
@@ -1014,13 +1010,11 @@ def chunk_sizes_of(policy, args: Args, grid: torch.Tensor, dist: Dist = Dist()) 
     sizes = chunks_from_profile(relative_l1(traj.states).mean(0)[trainable].cpu(), args.num_chunks)
     return dist.gather(torch.tensor(sizes, device=dist.device))[: len(sizes)].tolist()  # rank 0's on every rank
 
-
 CREDIT_ASSIGNMENT = {"flow_grpo": flow_grpo, "stepwise": stepwise, "tempflow": tempflow, "g2rpo": g2rpo, "chunk": chunk}
 # What a flag left at 0 means for each method (--iterations: 5 to 9 toy minutes on 2 CPU cores; G2RPO: Deviation 4).
 METHOD_DEFAULTS = {"flow_grpo": dict(iterations=64, lr=1e-3), "stepwise": dict(iterations=32, lr=1e-3),
                    "tempflow": dict(iterations=40, lr=1e-3), "g2rpo": dict(iterations=32, lr=3e-4, noise_level=0.7),
                    "chunk": dict(iterations=56, lr=1e-3)}
-
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1388,8 +1382,7 @@ class RunFolder:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
-        """An error (not an interrupt: that run resumes) leaves a record that names it and where; the next start of
-        the same run tries again from its checkpoint."""
+        """An error (not an interrupt: that run resumes) leaves a record naming it; the next start tries again."""
         if isinstance(error, Exception) and hasattr(self, "file"):
             self.write_record(error=f"{kind.__name__}: {error}", iteration=self.iteration)
 
@@ -1497,9 +1490,8 @@ class RunFolder:
         os.replace(self.path / "record.json.tmp", self.path / "record.json")
 
 def base_evaluation(args: Args, trainer: Trainer, code: str) -> tuple:
-    """The base model's evaluation, cached on this machine under a key of all that determines it (the weights, the
-    evaluation's flags, the script's `code` id as the run started, torch, the CPU and its threads), so a campaign
-    evaluates the base once."""
+    """The base model's evaluation, cached on this machine under a key of all that determines it (weights, evaluation
+    flags, the script's `code` id as the run started, torch, CPU, threads): a campaign evaluates the base once."""
     weights = toy_folder(args) if args.model == "toy" else Path(args.model)  # a hub id: no such folder, its name
     files = sorted(p for p in weights.rglob("*") if p.is_file()) if weights.exists() else []
     prompts = Path(args.prompts).read_text() if args.prompts else ""
@@ -1607,8 +1599,7 @@ def save_grid(images: torch.Tensor, metas: list[dict], scores: dict, path: Path,
     fig.savefig(path, dpi=110)
 
 def plot_curves(history: list[dict], path: Path, label: str) -> None:
-    """A PNG of four panels by iteration: training reward, held-out scores, credit map (each step's mean |advantage|),
-    the share of flat groups."""
+    """A PNG of four panels by iteration: training reward, held-out scores, each step's |advantage|, flat groups."""
     from matplotlib.figure import Figure
     train, evals = [h for h in history if "reward_mean" in h], [h for h in history if "eval_overall" in h]
     its = [h["iteration"] for h in train]
