@@ -974,8 +974,7 @@ def relative_l1(states: torch.Tensor) -> torch.Tensor:
     return diff / (states[:, :-1].abs().flatten(2).mean(2) + 1e-8)
 
 def chunks_from_profile(profile: torch.Tensor, num_chunks: int) -> list[int]:
-    """Chunk sizes whose boundaries split the relative-L1 profile's (S,) total variation equally, so
-    fast-changing steps get small chunks (Deviation 9)."""
+    """Chunk sizes splitting the relative-L1 profile's variation equally: fast steps, small chunks (Deviation 9)."""
     n = len(profile)
     k = min(num_chunks, n)
     change = torch.cat([profile[1:2] - profile[:1], profile[1:] - profile[:-1]]).abs() + 1e-6  # (S,)
@@ -1531,9 +1530,8 @@ def ema_applied(ema, params: list):
 
 @torch.no_grad()
 def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None, pairs: list[int] | None = None):
-    """Deterministic (fixed prompts and noise, `eval_steps` ODE steps; the (prompt, noise) pairs numbered `pairs`, or
-    all) -> (metrics, images, metas, per-image scores: the reward, on toy score_batch's, and `pair`, each image's
-    number). eval_overall: toy-GenEval (mean category accuracy) or reward, ± eval_se."""
+    """Deterministic (fixed prompts and noise, `eval_steps` ODE steps; the pairs numbered `pairs`, or all) -> (metrics,
+    images, metas, per-image scores: reward, `pair`, on toy score_batch's); eval_overall: toy-GenEval or reward."""
     metas = metas or prompt_sets(args)[1]
     pairs = torch.arange(len(metas)) if pairs is None else torch.as_tensor(pairs)  # (N,) sorted
     noise = initial_noise(policy, len(metas), generator("tune-noise" if args.tune else "eval-noise"))[pairs]
