@@ -1412,8 +1412,8 @@ def test_a_non_finite_gradient_mid_update_leaves_the_model_and_the_optimizer_as_
     step counts and moments and the moving average stay as iteration 1 left them; nfe counts the passes computed."""
     real_accumulate, real_update, seen = fgc.accumulate_gradients, fgc.update, []
 
-    def poisoned(policy, cond, mb, args):
-        stats = real_accumulate(policy, cond, mb, args)
+    def poisoned(policy, cond, mb, args, meter):
+        stats = real_accumulate(policy, cond, mb, args, meter)
         seen[-1]["minibatches"].append(len(mb))
         if len(seen) == 2 and len(seen[-1]["minibatches"]) == 3:
             next(p for p in policy.net.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
