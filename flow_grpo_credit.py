@@ -172,7 +172,6 @@ class Args:
     weight_decay: float = 1e-4  # AdamW weight decay
     max_grad_norm: float = 1.0  # global gradient-norm clip
     ema: float = 0.9  # decay of the adapter's moving average (one update an iteration), evaluated and saved; 0: off
-    lr_schedule: str = "constant"  # constant, or cosine: the lr decays to 0 over the run's iterations (Deviation 4)
     inner_updates: int = 8  # optimizer steps per iteration (the samples are split into this many minibatches)
     train_fraction: float = 1.0  # fraction of the transitions (chunks) trained on, drawn at random (DanceGRPO)
     clip_range: float = 1e-3  # PPO clip epsilon of the per-dimension ratio: exp(D eps), 2.2, on the toy's image
@@ -303,14 +302,10 @@ def detect(img: np.ndarray, min_area: int = 6) -> list[Detection]:
     return [d for _, d in sorted(found)]  # in the raster order of each object's first pixel
 
 def score_image(img: np.ndarray, meta: dict) -> dict:
-    """The scores of one image against its prompt:
-    geneval  GenEval's verdict (0/1): each include item needs >= count objects of its class (and colour, and relation
-             to include[index]); each exclude item needs < count objects of its class.
-    dense    per include item, the mean of min(found, count) / count for its class and for its class in its colour (a
-             position item: that, averaged with its relation), shrunk where an exclude is broken; mean of items.
-    strict   GenEval's verdict and nothing else: no more objects than the prompt asks for.
-    extra    objects found beyond those asked for (any blob counts, a known shape or not).
-    missing  asked objects whose class is not found (per include item, count minus those of its class)."""
+    """One image's scores: geneval, GenEval's verdict (0/1: each include item's count of its class, colour and relation
+    to include[index] is found, each exclude item's is not); dense, its partial credit (per include item, the found
+    share of its class and of its colour, averaged with its relation; shrunk where an exclude is broken); strict,
+    geneval with no extra object; extra, objects beyond those asked (any blob); missing, asked objects not found."""
     dets = detect(img)
     by_class = {c: [d for d in dets if d.cls == c] for c in CLASSES}
     ok, credits = True, []
@@ -382,8 +377,7 @@ class Policy:
         getattr(self, "pipe", StableDiffusionLoraLoaderMixin).save_lora_weights(folder, layers)
 
 class ToyPolicy(Policy):
-    """A diffusers UNet2DConditionModel in pixel space ('latents' are pixels in [-1, 1]), 1.7M parameters, and a CLIP
-    text encoder over the toy's words, 0.1M: notebooks/toy_base.py builds and pretrains them."""
+    """A diffusers UNet2DConditionModel in pixel space ('latents' are pixels in [-1, 1]) and a CLIP text encoder."""
 
     lora_defaults = (16, 16.0)  # (rank, alpha)
     lora_targets = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2",
@@ -415,10 +409,6 @@ class ToyPolicy(Policy):
 
 TOY_BASE = Path(__file__).resolve().parent / "assets" / "toy_base"  # the shipped base: notebooks/toy_base.py's output
 
-def cache_folder(args: Args) -> Path:
-    """--cache-dir, or $XDG_CACHE_HOME/flow_grpo_credit: the base's evaluations."""
-    return Path(args.cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flow_grpo_credit")
-
 def toy_folder(args: Args) -> Path:
     return Path(args.toy_base) if args.toy_base else TOY_BASE
 
@@ -433,8 +423,7 @@ def load_toy(args: Args, device) -> ToyPolicy:
                      PreTrainedTokenizerFast.from_pretrained(folder / "tokenizer"), args.guidance)
 
 class PipelinePolicy(Policy):
-    """SD3 / SD3.5 (real CFG) or FLUX.1 (guidance-distilled: the scale is an input, one pass a step) with
-    the VAE's latents (FLUX: 2x2 patches packed into tokens) and the pipeline scheduler's time grid."""
+    """SD3 / SD3.5 (real CFG) or FLUX.1 (guidance-distilled: one pass a step) on the VAE's latents (FLUX: packed)."""
 
     lora_defaults = (32, 64.0)  # Flow-GRPO's r and alpha on SD3.5
     lora_targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
@@ -476,8 +465,7 @@ class PipelinePolicy(Policy):
 
     @torch.no_grad()
     def encode(self, prompts: list[str], device=None) -> dict:
-        """The prompts' embeddings (B, ...) on `device` (default: the model's). The text encoders run once for all
-        the new prompts, `micro_batch` at a time; the `cache_size` most recently used stay cached."""
+        """The prompts' embeddings (B, ...) on `device` (default: the model's), encoded `micro_batch` at a time."""
         found = {p: self.cache.pop(p) for p in dict.fromkeys(prompts) if p in self.cache}
         if new := [p for p in dict.fromkeys(prompts) if p not in found]:
             self.encoders.to(self.device)  # --low-memory keeps them on the CPU between uses
@@ -549,11 +537,8 @@ def toy_reward(images: torch.Tensor, metas: list[dict]) -> torch.Tensor:
     return score_batch(images, metas)["dense"]
 
 def toy_strict_reward(images: torch.Tensor, metas: list[dict], penalty: float) -> torch.Tensor:
-    """The default toy reward (Deviation 1), ranked as the strict rule ranks images:
-        r = dense / 2 + strict / 2 - penalty * (extra + missing).
-    A strictly correct image scores 1 and every other at most 1/2; an image that keeps every asked object and adds
-    one scores above one that drops an asked object, whatever the penalty. Charging only extras (r = dense -
-    penalty * extra) teaches the model to draw fewer objects: three circles drawn as two beat three and a square."""
+    """The default toy reward (Deviation 1), which ranks images as the strict rule does:
+        r = dense / 2 + strict / 2 - penalty * (extra + missing)."""
     scores = score_batch(images, metas)
     return scores["dense"] / 2 + scores["strict"] / 2 - penalty * (scores["extra"] + scores["missing"])
 
@@ -670,9 +655,8 @@ def step_stds(grid: torch.Tensor, args: Args) -> torch.Tensor:
 
 def trainable_steps(grid: torch.Tensor, args: Args) -> torch.Tensor:
     """(S,) bool: not the last step, as Flow-GRPO trains 0..S-2, and a std of at least `min_std` times the median
-    stochastic step's. A near-deterministic step (on the toy's grid the flow SDE's last, std 0.009; ddim's and cps's
-    step into t_{S-1}, 0.008) has -log std rule its log-density and 1 / std its score: its gradient is about 100 times
-    the median step's, outweighs every step and swings the ratio past any clip, moving the image by under a pixel."""
+    stochastic step's: a near-deterministic step's log-prob gradient (1 / std) is ~100 times the median's, outweighs
+    every step and swings the ratio past any clip, moving the image by under a pixel."""
     stds, n_steps = step_stds(grid, args), len(grid) - 1
     floor = args.min_std * stds[stds > 0].median()
     return (stds > 0) & (stds >= floor) & (torch.arange(n_steps) < n_steps - 1)
@@ -699,9 +683,8 @@ class Trajectory:
 @torch.no_grad()
 def rollout(policy, cond: dict, x: torch.Tensor, times: torch.Tensor, stochastic, args: Args, meter: Meter,
             gen: torch.Generator | None = None, v_first: torch.Tensor | None = None) -> Trajectory:
-    """Integrate x (B, C, H, W) along `times` ((S+1,) or (B, S+1), decreasing) with an SDE step where
-    `stochastic` (S,) holds and an Euler step elsewhere: every method, and the evaluation, samples through this.
-    `v_first`: the velocity at x, when a path already holds it (a branch point's): the first step costs no pass."""
+    """Integrate x (B, C, H, W) along `times` ((S+1,) or (B, S+1), decreasing), an SDE step where `stochastic` (S,)
+    holds and Euler elsewhere; `v_first`, the velocity at x a path already holds (a branch point's), saves a pass."""
     b = x.shape[0]
     times = times.expand(b, -1).to(x.device)  # (B, S+1)
     states, steps = [x], []
@@ -727,9 +710,8 @@ def initial_noise(policy, n: int, gen: torch.Generator) -> torch.Tensor:
 
 @dataclass
 class Transitions:
-    """The N transitions x -> x_next that a method hands the loss. Those with the same `chunk_id` share one
-    importance ratio (Chunk-GRPO; by default each is its own chunk); those with the same `state_id` start from one
-    state (a branch point's children: one forward pass serves them all); `weight` is TempFlow's step weight."""
+    """The N transitions x -> x_next that a method hands the loss: a chunk (Chunk-GRPO's; else each its own) shares one
+    ratio, a state (a branch point's children) one forward pass; `weight` is TempFlow's step weight."""
 
     x: torch.Tensor  # (N, C, H, W) state before the step
     x_next: torch.Tensor  # (N, C, H, W) sampled state after the step
@@ -763,9 +745,8 @@ class Transitions:
 
 def transitions_from(traj: Trajectory, prompt: torch.Tensor, advantage, train_mask, *, weight=1.0, chunk_id=None,
                      state_id=None, first_step: int = 0) -> Transitions:
-    """The trained transitions of a trajectory batch. advantage, weight, chunk_id, state_id: a number, (S,), (B, 1)
-    or (B, S) (ids: each transition its own by default); train_mask: (S,) or (B, S) bool; first_step: base-grid index
-    of the first transition."""
+    """The trained transitions of a trajectory batch. advantage, weight, chunk_id, state_id (default: each its own): a
+    number, (S,), (B, 1) or (B, S); train_mask: (S,) or (B, S) bool; first_step: base-grid index of step 0."""
     b, n_steps = traj.log_probs.shape
     keep = torch.as_tensor(train_mask).expand(b, n_steps).flatten().nonzero().flatten()  # (N,) CPU indices of B*S steps
     own = torch.arange(b * n_steps).view(b, n_steps)  # an id of each transition's own
@@ -993,8 +974,7 @@ def relative_l1(states: torch.Tensor) -> torch.Tensor:
     return diff / (states[:, :-1].abs().flatten(2).mean(2) + 1e-8)
 
 def chunks_from_profile(profile: torch.Tensor, num_chunks: int) -> list[int]:
-    """Chunk sizes whose boundaries split the relative-L1 profile's (S,) total variation equally, so
-    fast-changing steps get small chunks (Deviation 9)."""
+    """Chunk sizes splitting the relative-L1 profile's variation equally: fast steps, small chunks (Deviation 9)."""
     n = len(profile)
     k = min(num_chunks, n)
     change = torch.cat([profile[1:2] - profile[:1], profile[1:] - profile[:-1]]).abs() + 1e-6  # (S,)
@@ -1029,13 +1009,11 @@ def chunk_sizes_of(policy, args: Args, grid: torch.Tensor, dist: Dist = Dist()) 
     sizes = chunks_from_profile(relative_l1(traj.states).mean(0)[trainable].cpu(), args.num_chunks)
     return dist.gather(torch.tensor(sizes, device=dist.device))[: len(sizes)].tolist()  # rank 0's on every rank
 
-
 CREDIT_ASSIGNMENT = {"flow_grpo": flow_grpo, "stepwise": stepwise, "tempflow": tempflow, "g2rpo": g2rpo, "chunk": chunk}
 # What a flag left at 0 means for each method (--iterations: 5 to 9 toy minutes on 2 CPU cores; G2RPO: Deviation 4).
 METHOD_DEFAULTS = {"flow_grpo": dict(iterations=64, lr=1e-3), "stepwise": dict(iterations=32, lr=1e-3),
                    "tempflow": dict(iterations=40, lr=1e-3), "g2rpo": dict(iterations=32, lr=3e-4, noise_level=0.7),
                    "chunk": dict(iterations=56, lr=1e-3)}
-
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1045,12 +1023,10 @@ def grpo_loss(policy, cond: dict, tr: Transitions, args: Args, whole: tuple | No
     """PPO's clipped surrogate, as every official code writes it for GRPO -> (loss, stats):
         ratio = exp(log pi_theta(x[k+1] | x[k]) - log pi_old(x[k+1] | x[k]))     per transition
         loss  = mean w max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps))  +  beta mean_k KL_k
-    One generalisation, Chunk-GRPO's: the transitions of a chunk share one ratio, exp of their mean log-ratio
-    (chunk_log_ratios), and the mean runs over chunks; every other method's chunk is one transition. The clip
-    acts on the D-th root of the likelihood ratio: on the whole image it allows exp(D eps), about 2.2 on the toy
-    (D = 768, eps = 1e-3) and about 700 on SD3.5 at 512 px (D = 65,536, eps = 1e-4), so the toy's range and the
-    papers' do not compare. approx_kl is 1/2 E[log_ratio^2], the k2 estimate Flow-GRPO's and DDPO's codes log
-    (CleanRL's (ratio - 1) - log ratio is k3; at |log ratio| ~ 1e-3 the two agree to third order). The KL is to the
+    Chunk-GRPO's generalisation: a chunk's transitions share one ratio, exp of their mean log-ratio, and the mean runs
+    over chunks (every other method's chunk is one transition). The clip acts on the D-th root of the likelihood
+    ratio: on the whole image exp(D eps), 2.2 on the toy (D = 768, eps = 1e-3), 700 on SD3.5 at 512 px (D = 65,536,
+    eps = 1e-4). approx_kl is 1/2 E[log_ratio^2], the k2 estimate Flow-GRPO's and DDPO's codes log; the KL is to the
     adapter-disabled reference (Deviation 2). `whole` = (minibatch, tr's indices in it, its log-ratios (N,) without
     gradient, or None) for a micro-batch `tr`: sums divide by the minibatch's counts, and a chunk's members outside
     `tr` enter its ratio frozen, so each micro-batch backpropagates exactly its members' share of the gradient."""
@@ -1128,10 +1104,8 @@ def accumulate_gradients(policy, cond: dict, mb: Transitions, args: Args, meter:
 def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Generator, dist: Dist = Dist(),
            meter: Meter = Meter()) -> dict:
     """Inner PPO updates, the first on-policy (ratio 1): a shuffled `train_fraction` of the chunks (a branch point's
-    children count as one: their forward pass is one) in `inner_updates` minibatches, one clipped AdamW step each; as
-    in Flow-GRPO, advantage-0 transitions (equal rewards) are dropped. A minibatch whose
-    gradient is not finite undoes the whole update: the adapter and the optimizer go back to where the iteration
-    found them, and the result says `skipped` (with `trained`, the transitions that were computed)."""
+    children count as one) in `inner_updates` minibatches, one clipped AdamW step each, without the advantage-0
+    transitions (as Flow-GRPO). A non-finite gradient undoes the whole update (adapter and optimizer): `skipped`."""
     tr = tr[tr.advantage.cpu() != 0]
     first, of_state = first_of_each(tr.state_id)  # no method shares both: a state's children are single-step chunks
     unit = tr.chunk_id[first][of_state]  # (N,) a chunk's id, or the first child's for every child of a state
@@ -1186,7 +1160,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 CHOICES = {"method": CREDIT_ASSIGNMENT, "sde": SDE_LEVELS, "dtype": ("auto", "fp32", "bf16"),
-           "device": ("auto", "cpu", "cuda"), "lr_schedule": ("constant", "cosine")}
+           "device": ("auto", "cpu", "cuda")}
 RULES = {  # what a valid value of each flag is, and how to tell
     ">= 0 (0: the method's default)": (["iterations", "lr"], lambda v: v >= 0),
     ">= 2": (["group_size"], lambda v: v >= 2),
@@ -1247,12 +1221,10 @@ def prompt_sets(args: Args) -> tuple[list[dict] | None, list[dict]]:
     return [m for i, m in enumerate(metas) if i % 10], metas[5::10] if args.tune else metas[::10]
 
 # What training (and notebooks/benchmark.py) builds before the first iteration; grid: the (S+1,) training time grid
-Trainer = collections.namedtuple("Trainer",
-                                 "policy reward_fn params opt lr_schedule grid chunk_sizes train_pool held_out")
+Trainer = collections.namedtuple("Trainer", "policy reward_fn params opt grid chunk_sizes train_pool held_out")
 
 def setup(args: Args, dist: Dist) -> Trainer:
-    """Model, reward, LoRA adapter (in DDP under torchrun), optimiser, its lr schedule and the training grid."""
-    from diffusers.optimization import get_scheduler
+    """Model, reward, LoRA adapter (in DDP under torchrun), optimiser and the training grid."""
     from transformers import set_seed
     args = resolved(args)  # the method's lr and iterations
     set_seed(args.seed)
@@ -1269,8 +1241,7 @@ def setup(args: Args, dist: Dist) -> Trainer:
         ids = [dist.device] if dist.device.type == "cuda" else None
         policy.denoiser = DistributedDataParallel(policy.net, device_ids=ids, broadcast_buffers=False)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    lr_schedule = get_scheduler(args.lr_schedule, opt, num_warmup_steps=0, num_training_steps=args.iterations)
-    return Trainer(policy, reward_fn, params, opt, lr_schedule, grid, chunk_sizes, *prompt_sets(args))
+    return Trainer(policy, reward_fn, params, opt, grid, chunk_sizes, *prompt_sets(args))
 
 def iteration_context(args: Args, trainer: Trainer, it: int, meter: Meter, dist: Dist = Dist()) -> Context:
     """Iteration `it`'s prompts, embeddings and generators; every draw follows from (seed, it)."""
@@ -1285,8 +1256,7 @@ def iteration_context(args: Args, trainer: Trainer, it: int, meter: Meter, dist:
 
 def train(args: Args) -> list[dict]:
     """GRPO with the chosen credit assignment in the run folder `args.run` -> the metric records (metrics.jsonl).
-    A new folder starts the run, one with a checkpoint resumes it, one with the run's record returns at once.
-    The loop is the algorithm; RunFolder keeps the books. Under torchrun DDP averages gradients, rank 0 writes."""
+    A new folder starts the run, one with a checkpoint resumes it, one with the run's record returns at once."""
     from diffusers.training_utils import EMAModel
     args = validate(args)
     dist = Dist.setup(resolve_device(args.device))
@@ -1328,24 +1298,19 @@ def run_label(args: Args) -> str:
     unlabelled = (*NOT_SHAPING, "seed", "full_evals", "full_eval_nfe")  # where it evaluates in full is not what ran
     return ":".join([args.method, *(f"{k}={v}" for k, v in changed.items() if k not in unlabelled)])
 
-def code_id() -> str:
-    """The script's git object id: `git log --find-object=ID` names the commits that hold it."""
-    code = Path(__file__).read_bytes()
-    return hashlib.sha1(b"blob %d\0" % len(code) + code).hexdigest()
-
 def cpu_name() -> str:
     cpu = Path("/proc/cpuinfo")
     model = re.search(r"model name\s*: (.*)", cpu.read_text()) if cpu.exists() else None
     return model[1] if model else "unknown"
 
 class RunFolder:
-    """A run's folder and its books, kept outside the training loop: one writer (a lock), args.json, metrics.jsonl,
-    each evaluation's per-pair scores and sample grid, checkpoints, the LoRA, and last record.json: the run's record
-    (flags, cost, machine, code id taken at the start, every evaluation with its per-pair scores), also when an error
-    stops the run. Only rank 0 writes."""
+    """A run's folder and its books, kept outside the training loop (rank 0 writes, under a lock): args.json,
+    metrics.jsonl, each evaluation's scores and sample grid, checkpoints, the LoRA and, last, record.json."""
 
     def __init__(self, args: Args, dist: Dist):
-        self.args, self.dist, self.writer, self.code = args, dist, dist.rank == 0, code_id()
+        self.args, self.dist, self.writer = args, dist, dist.rank == 0
+        code = Path(__file__).read_bytes()  # the script's git object id: `git log --find-object=ID` finds its commits
+        self.code = hashlib.sha1(b"blob %d\0" % len(code) + code).hexdigest()
         self.path = Path(args.run or Path(args.out) / f"{args.method}-seed{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
         self.history, self.wall, self.bad_in_row, self.iteration = [], 0.0, 0, 0
 
@@ -1379,11 +1344,18 @@ class RunFolder:
             except BlockingIOError:
                 raise UsageError(f"{self.path} is being written by another process; stop it (or let it finish) "
                                  "first") from None
-        if resume:
-            refuse_changed_flags(json.loads((self.path / "args.json").read_text()), dataclasses.asdict(self.args))
-        self.state = (load_checkpoint(self.path, trainer.policy, trainer.opt, ema) if resume
-                      else {"iteration": 0, "meter": {}, "wall": 0.0})
-        trainer.lr_schedule.load_state_dict(self.state.get("lr_schedule", trainer.lr_schedule.state_dict()))
+        self.state = {"iteration": 0, "meter": {}, "wall": 0.0}
+        if resume:  # onto the CPU, as weights only; the moving average then joins the model
+            from peft.utils import set_peft_model_state_dict
+            saved, mine = json.loads((self.path / "args.json").read_text()), dataclasses.asdict(self.args)
+            for flag in [f for f in ("lr", "weight_decay", "ema") if mine[f] != saved.get(f, mine[f])]:
+                raise UsageError(f"a run resumes as it began: --{flag.replace('_', '-')} is {saved[flag]!r} in its "
+                                 f"folder, not {mine[flag]!r}; start a new run (another --run folder) instead")
+            self.state = torch.load(self.path / "checkpoint.pt", map_location="cpu", weights_only=True)
+            set_peft_model_state_dict(trainer.policy.net, self.state["lora"])
+            trainer.opt.load_state_dict(self.state["optimizer"])
+            ema.load_state_dict(self.state["ema"])
+            ema.to(next(trainer.policy.net.parameters()).device)
         self.history, self.wall = self.state.get("history", []), self.state["wall"]
         if self.writer:
             (self.path / "args.json").write_text(json.dumps(dataclasses.asdict(self.args), indent=2))
@@ -1409,8 +1381,7 @@ class RunFolder:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
-        """An error (not an interrupt: that run resumes) leaves a record that names it and where; the next start of
-        the same run tries again from its checkpoint."""
+        """An error (not an interrupt: that run resumes) leaves a record naming it; the next start tries again."""
         if isinstance(error, Exception) and hasattr(self, "file"):
             self.write_record(error=f"{kind.__name__}: {error}", iteration=self.iteration)
 
@@ -1420,8 +1391,7 @@ class RunFolder:
 
     def log(self, it: int, ctx: Context, transitions: Transitions, rewards: torch.Tensor, stats: dict,
             seconds: float) -> None:
-        """The iteration's line of metrics.jsonl (counters summed over ranks); the lr schedule's step; a stop after
-        `max_nonfinite` skipped updates in a row."""
+        """The iteration's metrics.jsonl line (counters summed over ranks); a stop at `max_nonfinite` skips in a row."""
         self.wall += seconds
         self.bad_in_row = self.bad_in_row + 1 if stats.get("skipped") else 0
         if self.bad_in_row and self.writer:
@@ -1429,18 +1399,15 @@ class RunFolder:
         if self.bad_in_row >= self.args.max_nonfinite:
             raise RunError(f"stopped at iteration {it}: {self.bad_in_row} iterations in a row had non-finite rewards, "
                            f"advantages or gradient; the last good checkpoint is in {self.path}")
-        dist, schedule = self.dist, self.trainer.lr_schedule
+        dist = self.dist
         rewards = dist.gather(rewards.float())
         adv_abs = segment_mean(transitions.advantage.abs(), transitions.step)[0].tolist()  # one host sync
         per_step = {f"adv_abs/{k}": a for k, a in zip(transitions.step.unique().tolist(), adv_abs)}
         self.record({"iteration": it, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()), **stats,
                      "zero_std_frac": float(torch.cat(ctx.stats["zero_std"]).float().mean()),  # the same on all ranks
                      "transitions": int(dist.reduce(len(transitions))), "nfe": int(dist.reduce(self.meter.nfe)),
-                     "reward_calls": int(dist.reduce(self.meter.reward_calls)), "lr": schedule.get_last_lr()[0],
-                     "wall_s": round(self.wall, 2), **per_step})
-        with warnings.catch_warnings():  # torch warns if no optimizer step came first (flat groups); the lr moves on
-            warnings.simplefilter("ignore", UserWarning)
-            schedule.step()
+                     "reward_calls": int(dist.reduce(self.meter.reward_calls)),
+                     "lr": self.trainer.opt.param_groups[0]["lr"], "wall_s": round(self.wall, 2), **per_step})
         self.bar.set_postfix(reward=f"{self.history[-1]['reward_mean']:.3f}", kl=f"{self.history[-1].get('kl', 0):.2g}")
 
     def evaluate(self, it: int) -> None:
@@ -1473,11 +1440,16 @@ class RunFolder:
                   f"{args.method} iteration {it}: held-out score {metrics['eval_overall']:.3f}")
 
     def checkpoint(self, it: int) -> None:
-        """Every checkpoint_every iterations and at the end, never from a state with non-finite values."""
+        """Every checkpoint_every iterations and at the end, never from a state with non-finite values: adapter, moving
+        average, optimizer and progress (every draw comes from seeded generators), atomically."""
+        from peft.utils import get_peft_model_state_dict
         if (it % self.args.checkpoint_every == 0 or it == self.args.iterations) and not self.bad_in_row and self.writer:
-            save_checkpoint(self.path, self.trainer.policy, self.trainer.opt, self.ema, {
-                "iteration": it, "meter": dataclasses.asdict(self.meter), "wall": self.wall, "history": self.history,
-                "base_scores": self.state["base_scores"], "lr_schedule": self.trainer.lr_schedule.state_dict()})
+            state = {"lora": get_peft_model_state_dict(self.trainer.policy.net), "ema": self.ema.state_dict(),
+                     "optimizer": self.trainer.opt.state_dict(), "iteration": it, "wall": self.wall,
+                     "meter": dataclasses.asdict(self.meter), "history": self.history,
+                     "base_scores": self.state["base_scores"]}
+            torch.save(state, self.path / "checkpoint.pt.tmp")
+            os.replace(self.path / "checkpoint.pt.tmp", self.path / "checkpoint.pt")
 
     def finish(self) -> None:
         """The LoRA (the moving average's), the curves, the record, and the held-out scores printed."""
@@ -1489,20 +1461,21 @@ class RunFolder:
         plot_curves(self.history, self.path / "reward_curve.png", self.args.method)
         self.write_record()
         first, *_, last = [h for h in self.history if "eval_overall" in h]
-        score = "toy-GenEval overall" if self.args.model == "toy" else "held-out reward"
-        print(f"done: {self.path}\n{score} {first['eval_overall']:.3f} -> {last['eval_overall']:.3f} "
-              f"({last['gain_overall']:+.3f} ± {last['gain_overall_se']:.3f} paired s.e.) in {self.wall / 60:.1f} "
-              f"min of training, {self.history[-1]['nfe']:.3g} forward passes")
+        print(f"done: {self.path}\nheld-out score {first['eval_overall']:.3f} -> {last['eval_overall']:.3f} "
+              f"({last['gain_overall']:+.3f} ± {last['gain_overall_se']:.3f} paired s.e.)")
         if "eval_strict" in last:
-            print(f"strict (the asked objects, nothing else) {first['eval_strict']:.3f} -> {last['eval_strict']:.3f} "
-                  f"({last['gain_strict']:+.3f} ± {last['gain_strict_se']:.3f}); "
-                  f"images with extra objects {first['eval_extra']:.1%} -> {last['eval_extra']:.1%}")
+            print(f"strict {first['eval_strict']:.3f} -> {last['eval_strict']:.3f} ({last['gain_strict']:+.3f} ± "
+                  f"{last['gain_strict_se']:.3f}), extra objects {first['eval_extra']:.1%} -> {last['eval_extra']:.1%}")
 
     def write_record(self, **error) -> None:
         """record.json, atomically: flags, cost, machine, code, the training rewards, the base's evaluation and every
         later one with per-pair scores; `error` and `iteration` for a run that an error stopped."""
         if not self.writer:
             return
+        lines = [h for h in self.history if "reward_mean" in h]  # every iteration's metrics as columns, to 4 digits
+        keys = dict.fromkeys(k for h in lines for k in h if k != "wall_s")
+        training = {k: [h.get(k) if isinstance(h.get(k), (int, type(None))) else float(f"{h[k]:.4g}") for h in lines]
+                    for k in keys}
         evaluations = [h | {"scores": per_pair(torch.load(self.path / f"scores_{h['iteration']:04d}.pt",
                                                           weights_only=True))}
                        for h in self.history if "eval_overall" in h]
@@ -1510,31 +1483,14 @@ class RunFolder:
                   "iterations": self.args.iterations, "nfe": max([0] + [h["nfe"] for h in self.history if "nfe" in h]),
                   "seconds": round(self.wall, 2),
                   "threads": torch.get_num_threads(), "torch": torch.__version__, "cpu": cpu_name(), "code": self.code,
-                  "training": training_columns(self.history),
+                  "training": training,
                   "base": evaluations[0] if evaluations else None, "evaluations": evaluations[1:], **error}
         (self.path / "record.json.tmp").write_text(json.dumps(record, separators=(",", ":")))  # ~50 kB a toy run
         os.replace(self.path / "record.json.tmp", self.path / "record.json")
 
-def training_columns(history: list[dict]) -> dict:
-    """Every iteration's line of metrics.jsonl as columns, floats to 4 significant digits (None where a line lacks
-    the key): kl, clipfrac, ratios, each step's mean |advantage|, the passes spent."""
-    lines = [h for h in history if "reward_mean" in h]
-    keys = dict.fromkeys(k for h in lines for k in h if k != "wall_s")
-    return {k: [h.get(k) if isinstance(h.get(k), (int, type(None))) else float(f"{h[k]:.4g}") for h in lines]
-            for k in keys}
-
-def refuse_changed_flags(saved: dict, args: dict) -> None:
-    """A resumed run keeps what its checkpoint fixes: the lr, weight decay, moving average, schedule (and a cosine's
-    length)."""
-    fixed = ["lr", "weight_decay", "ema", "lr_schedule"] + ["iterations"] * (saved.get("lr_schedule") == "cosine")
-    if changed := [f for f in fixed if args[f] != saved.get(f, args[f])]:
-        raise UsageError(f"a run resumes as it began: --{changed[0].replace('_', '-')} is {saved[changed[0]]!r} in "
-                         f"its folder, not {args[changed[0]]!r}; start a new run (another --run folder) instead")
-
 def base_evaluation(args: Args, trainer: Trainer, code: str) -> tuple:
-    """The base model's evaluation, cached on this machine under a key of all that determines it (the weights, the
-    evaluation's flags, the script's `code` id as the run started, torch, the CPU and its threads), so a campaign
-    evaluates the base once."""
+    """The base model's evaluation, cached on this machine under a key of all that determines it (weights, evaluation
+    flags, the script's `code` id as the run started, torch, CPU, threads): a campaign evaluates the base once."""
     weights = toy_folder(args) if args.model == "toy" else Path(args.model)  # a hub id: no such folder, its name
     files = sorted(p for p in weights.rglob("*") if p.is_file()) if weights.exists() else []
     prompts = Path(args.prompts).read_text() if args.prompts else ""
@@ -1544,7 +1500,8 @@ def base_evaluation(args: Args, trainer: Trainer, code: str) -> tuple:
            "torch": torch.__version__, "cpu": cpu_name(), "threads": torch.get_num_threads(),
            "device": str(trainer.policy.device)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-    path = cache_folder(args) / "base_eval" / f"{digest}.pt"
+    cache = Path(args.cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flow_grpo_credit")
+    path = cache / "base_eval" / f"{digest}.pt"
     if args.base_cache and path.exists():
         return torch.load(path, weights_only=True)
     made = evaluate(trainer.policy, args, trainer.reward_fn)
@@ -1567,31 +1524,14 @@ def ema_applied(ema, params: list):
     finally:
         ema.restore(params)
 
-def save_checkpoint(run: Path, policy, opt, ema, state: dict) -> None:
-    """Adapter, moving average, optimizer and progress (every draw comes from seeded generators), atomically."""
-    from peft.utils import get_peft_model_state_dict
-    torch.save({"lora": get_peft_model_state_dict(policy.net), "optimizer": opt.state_dict(), "ema": ema.state_dict(),
-                **state}, run / "checkpoint.pt.tmp")
-    os.replace(run / "checkpoint.pt.tmp", run / "checkpoint.pt")
-
-def load_checkpoint(run: Path, policy, opt, ema) -> dict:
-    from peft.utils import set_peft_model_state_dict
-    state = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=True)
-    set_peft_model_state_dict(policy.net, state["lora"])
-    opt.load_state_dict(state["optimizer"])
-    ema.load_state_dict(state["ema"])
-    ema.to(next(policy.net.parameters()).device)
-    return state
-
 
 # ----------------------------------------------------------------------------------------------------
 # 10 Evaluation and plots
 
 @torch.no_grad()
 def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None, pairs: list[int] | None = None):
-    """Deterministic (fixed prompts and noise, `eval_steps` ODE steps; the (prompt, noise) pairs numbered `pairs`, or
-    all) -> (metrics, images, metas, per-image scores: the reward, on toy score_batch's, and `pair`, each image's
-    number). eval_overall: toy-GenEval (mean category accuracy) or reward, ± eval_se."""
+    """Deterministic (fixed prompts and noise, `eval_steps` ODE steps; the pairs numbered `pairs`, or all) -> (metrics,
+    images, metas, per-image scores: reward, `pair`, on toy score_batch's); eval_overall: toy-GenEval or reward."""
     metas = metas or prompt_sets(args)[1]
     pairs = torch.arange(len(metas)) if pairs is None else torch.as_tensor(pairs)  # (N,) sorted
     noise = initial_noise(policy, len(metas), generator("tune-noise" if args.tune else "eval-noise"))[pairs]
@@ -1657,8 +1597,7 @@ def save_grid(images: torch.Tensor, metas: list[dict], scores: dict, path: Path,
     fig.savefig(path, dpi=110)
 
 def plot_curves(history: list[dict], path: Path, label: str) -> None:
-    """A PNG of four panels by iteration: training reward, held-out scores, credit map (each step's mean |advantage|),
-    the share of flat groups."""
+    """A PNG of four panels by iteration: training reward, held-out scores, each step's |advantage|, flat groups."""
     from matplotlib.figure import Figure
     train, evals = [h for h in history if "reward_mean" in h], [h for h in history if "eval_overall" in h]
     its = [h["iteration"] for h in train]

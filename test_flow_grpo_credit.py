@@ -1081,7 +1081,6 @@ def test_every_flag_is_an_args_field_whose_comment_is_its_help(capsys, monkeypat
     (["--method", "g2rpo", "--granularities", "1,0"], "--granularities"),
     (["--method", "g2rpo", "--granularities", "1,1,2"], "--granularities must be distinct positive integers"),
     (["--method", "chunk", "--chunks", "2-4"], "--chunks must be integers like 2,3,4"),
-    (["--lr-schedule", "linear"], "unknown --lr-schedule 'linear'; choose constant, cosine"),
     (["--method", "all"], "unknown --method 'all'; choose flow_grpo"),
     (["--method", "g2rpo", "--sde", "ddim", "--steps", "3"], "has no step to train"),
     (["--sde", "euler"], "flow, ddim, cps"),
@@ -1181,16 +1180,10 @@ def test_every_method_has_a_default_run_length_and_lr_and_a_flag_given_keeps_its
         assert fgc.validate(fgc.Args(method="g2rpo", sde=sde)).sde_level == (0.7 if sde == "flow" else level)
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")  # no optimizer step here: none is due
-def test_setup_resolves_the_method_s_lr_and_schedule_length_itself():
-    """setup(Args()) called directly (as a notebook may) gets the method's lr, not the 0 that means "the method's";
-    its cosine schedule spans the method's iterations."""
-    parts = fgc.setup(fgc.Args(lr_schedule="cosine"), fgc.Dist())
+def test_setup_resolves_the_method_s_lr_itself():
+    """setup(Args()) called directly (as a notebook may) gets the method's lr, not the 0 that means "the method's"."""
+    parts = fgc.setup(fgc.Args(), fgc.Dist())
     assert parts.opt.param_groups[0]["lr"] == fgc.METHOD_DEFAULTS["flow_grpo"]["lr"] > 0
-    for _ in range(fgc.METHOD_DEFAULTS["flow_grpo"]["iterations"]):
-        assert parts.opt.param_groups[0]["lr"] > 0
-        parts.lr_schedule.step()
-    assert parts.opt.param_groups[0]["lr"] == 0
 
 
 def test_parse_args_reads_every_flag_and_parse_ints_names_the_flag():
@@ -1292,15 +1285,12 @@ def test_same_seed_gives_the_same_metrics(tiny_cache, tmp_path):
     assert strip_time(a) != strip_time(c)
 
 
-@pytest.mark.parametrize("schedule", ["constant", "cosine"])
-def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_cache, tmp_path, monkeypatch, schedule):
+def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_cache, tmp_path, monkeypatch):
     """A run killed in iteration 3 and resumed from its checkpoint (a weights-only load) ends with the
-    metrics, adapter, moving average and lr of the run that was never stopped. Under cosine the lr of
-    iteration i of N is lr (1 + cos(pi (i - 1) / N)) / 2, and after the last iteration it is 0."""
-    full = fgc.train(tiny_args(tiny_cache, tmp_path / "full", iterations=4, lr_schedule=schedule))
+    metrics, adapter, moving average and lr of the run that was never stopped; the lr is constant."""
+    full = fgc.train(tiny_args(tiny_cache, tmp_path / "full", iterations=4))
     lr = fgc.METHOD_DEFAULTS["flow_grpo"]["lr"]
-    cosine = [lr * (1 + math.cos(math.pi * (i - 1) / 4)) / 2 for i in range(1, 5)]
-    assert [h["lr"] for h in full if "lr" in h] == pytest.approx(cosine if schedule == "cosine" else [lr] * 4)
+    assert [h["lr"] for h in full if "lr" in h] == [lr] * 4
     calls = {"n": 0}
     real = fgc.CREDIT_ASSIGNMENT["flow_grpo"]
 
@@ -1312,7 +1302,7 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_cache, tmp_pat
 
     monkeypatch.setitem(fgc.CREDIT_ASSIGNMENT, "flow_grpo", dies_in_iteration_3)
     with pytest.raises(KeyboardInterrupt):
-        fgc.train(tiny_args(tiny_cache, tmp_path / "killed", iterations=4, lr_schedule=schedule))
+        fgc.train(tiny_args(tiny_cache, tmp_path / "killed", iterations=4))
     monkeypatch.setitem(fgc.CREDIT_ASSIGNMENT, "flow_grpo", real)
     run = next((tmp_path / "killed").iterdir())
     assert torch.load(run / "checkpoint.pt", weights_only=True)["iteration"] == 2
@@ -1329,29 +1319,25 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_cache, tmp_pat
     assert all(torch.equal(x, y) for x, y in shadows)
     stepped = sum(1 for h in full if h.get("trained"))  # iterations that took optimizer steps
     assert a["ema"]["optimization_step"] == b["ema"]["optimization_step"] == stepped > 0
-    end_lr = [c["optimizer"]["param_groups"][0]["lr"] for c in (a, b)]
-    assert end_lr == [0.0, 0.0] if schedule == "cosine" else end_lr == [lr, lr]
-    assert a["lr_schedule"] == b["lr_schedule"]
+    assert [c["optimizer"]["param_groups"][0]["lr"] for c in (a, b)] == [lr, lr]
 
 
 def test_a_resume_refuses_the_flags_its_checkpoint_fixes(tiny_run, tiny_cache, tmp_path, capsys):
     """The optimizer and the moving average come back from the checkpoint with their lr, weight decay and
     decay: --run with other values is a one-line error, and the run folder says what the run does. A
-    longer run is fine under a constant lr; under cosine the decay spans the run's iterations."""
+    longer run is fine: the lr is constant."""
     args, run, _ = tiny_run
     before = (run / "args.json").read_text()
-    for flag, value in [("--lr", "0.5"), ("--weight-decay", "0.1"), ("--ema", "0.5"), ("--lr-schedule", "cosine")]:
+    for flag, value in [("--lr", "0.5"), ("--weight-decay", "0.1"), ("--ema", "0.5")]:
         assert fgc.main(["--run", str(run), flag, value]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and f"{flag} is" in err and "start a new run" in err
     assert (run / "args.json").read_text() == before
     saved = torch.load(run / "checkpoint.pt", weights_only=True)
     assert saved["optimizer"]["param_groups"][0]["lr"] == json.loads(before)["lr"] == args.lr
-    cosine = fgc.train(tiny_args(tiny_cache, tmp_path, iterations=1, lr_schedule="cosine"))
-    folder = next(tmp_path.iterdir())
-    with pytest.raises(fgc.UsageError, match="--iterations is 1 in its folder, not 2"):
-        fgc.train(fgc.parse_args(["--run", str(folder), "--iterations", "2"]))
-    assert [h["lr"] for h in cosine if "lr" in h] == [fgc.METHOD_DEFAULTS["flow_grpo"]["lr"]]
+    fgc.train(tiny_args(tiny_cache, tmp_path, iterations=1))
+    longer = fgc.train(fgc.parse_args(["--run", str(next(tmp_path.iterdir())), "--iterations", "2"]))
+    assert [h["lr"] for h in longer if "lr" in h] == [fgc.METHOD_DEFAULTS["flow_grpo"]["lr"]] * 2
 
 
 def test_chunk_boundaries_come_from_the_base_model_also_when_a_run_resumes(tiny_cache, tmp_path, monkeypatch):
@@ -1426,8 +1412,8 @@ def test_a_non_finite_gradient_mid_update_leaves_the_model_and_the_optimizer_as_
     step counts and moments and the moving average stay as iteration 1 left them; nfe counts the passes computed."""
     real_accumulate, real_update, seen = fgc.accumulate_gradients, fgc.update, []
 
-    def poisoned(policy, cond, mb, args):
-        stats = real_accumulate(policy, cond, mb, args)
+    def poisoned(policy, cond, mb, args, meter):
+        stats = real_accumulate(policy, cond, mb, args, meter)
         seen[-1]["minibatches"].append(len(mb))
         if len(seen) == 2 and len(seen[-1]["minibatches"]) == 3:
             next(p for p in policy.net.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
@@ -1514,8 +1500,8 @@ def test_saved_lora_loads_into_a_fresh_unet_with_diffusers(tiny_run):
     assert (v_trained - v_base).abs().max() > 1e-4, "the adapter changed the model"
 
 
-def test_a_checkpoint_holds_only_data_and_loads_onto_the_cpu(tiny_run):
-    """checkpoint.pt loads with weights_only=True (no pickled code), and load_checkpoint maps it to the CPU
+def test_a_checkpoint_holds_only_data_and_loads_onto_the_cpu(tiny_run, tmp_path):
+    """checkpoint.pt loads with weights_only=True (no pickled code), and RunFolder.open maps it to the CPU
     whatever the policy's device: a policy that reports the meta device (with the real CPU net) gets its
     adapter, optimizer state and moving average back."""
     from diffusers.training_utils import EMAModel
@@ -1528,8 +1514,11 @@ def test_a_checkpoint_holds_only_data_and_loads_onto_the_cpu(tiny_run):
     params = fgc.add_lora(real, args)
     opt, ema = torch.optim.AdamW(params, lr=args.lr), EMAModel(params, decay=args.ema)
     policy = types.SimpleNamespace(device=torch.device("meta"), net=real.net, denoiser=real.net)
-    state = fgc.load_checkpoint(run, policy, opt, ema)
-    assert state["iteration"] == 2
+    shutil.copytree(run, tmp_path / "run")  # open rewrites the folder's args.json and metrics.jsonl
+    folder = fgc.RunFolder(dataclasses.replace(args, run=str(tmp_path / "run")), fgc.Dist())
+    assert folder.open(types.SimpleNamespace(policy=policy, opt=opt), ema)[1] == 3
+    folder.file.close()
+    folder.lock.close()
     lora = get_peft_model_state_dict(real.net)
     assert lora.keys() == saved["lora"].keys() and all(torch.equal(lora[k], saved["lora"][k]) for k in lora)
     assert all(s.device.type == "cpu" for s in ema.shadow_params) and ema.optimization_step == 2
