@@ -302,10 +302,14 @@ def detect(img: np.ndarray, min_area: int = 6) -> list[Detection]:
     return [d for _, d in sorted(found)]  # in the raster order of each object's first pixel
 
 def score_image(img: np.ndarray, meta: dict) -> dict:
-    """One image's scores: geneval, GenEval's verdict (0/1: each include item's count of its class, colour and relation
-    to include[index] is found, each exclude item's is not); dense, its partial credit (per include item, the found
-    share of its class and of its colour, averaged with its relation; shrunk where an exclude is broken); strict,
-    geneval with no extra object; extra, objects beyond those asked (any blob); missing, asked objects not found."""
+    """The scores of one image against its prompt:
+    geneval  GenEval's verdict (0/1): each include item needs >= count objects of its class (and colour, and relation
+             to include[index]); each exclude item needs < count objects of its class.
+    dense    per include item, the mean of min(found, count) / count for its class and for its class in its colour (a
+             position item: that, averaged with its relation), shrunk where an exclude is broken; mean of items.
+    strict   GenEval's verdict and nothing else: no more objects than the prompt asks for.
+    extra    objects found beyond those asked for (any blob counts, a known shape or not).
+    missing  asked objects whose class is not found (per include item, count minus those of its class)."""
     dets = detect(img)
     by_class = {c: [d for d in dets if d.cls == c] for c in CLASSES}
     ok, credits = True, []
