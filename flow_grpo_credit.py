@@ -1090,11 +1090,11 @@ def accumulate_gradients(policy, cond: dict, mb: Transitions, args: Args, meter:
     """Backward of a minibatch's loss in pieces of `micro_batch` transitions; under DDP only the last backward syncs.
     `meter` counts the forward passes: one a distinct state of a piece (two with the reference's)."""
     pieces = torch.arange(len(mb)).split(args.micro_batch or len(mb))  # (N,) CPU indices, a forward pass each
-    per_state = sum(len(torch.unique(mb.state_id[p])) for p in pieces) * policy.passes
-    meter.nfe += per_state * (2 if args.beta > 0 else 1)
+    passes = sum(len(torch.unique(mb.state_id[p])) for p in pieces) * policy.passes  # of the pieces' states
+    meter.nfe += passes * (2 if args.beta > 0 else 1)
     frozen = None
     if len(pieces) > 1 and len(torch.unique(mb.chunk_id)) < len(mb):  # a chunk may be split: freeze its log-ratios
-        meter.nfe += per_state
+        meter.nfe += passes
         with torch.no_grad():
             frozen = torch.cat([transition_log_probs(policy, cond, mb[p], args)[0] for p in pieces]) - mb.log_prob
     no_sync, stats = getattr(policy.denoiser, "no_sync", contextlib.nullcontext), []
