@@ -2382,8 +2382,8 @@ def test_comparison_md_and_the_readme_show_each_label_s_gain_and_each_test_of_th
     seeds = {label: sorted(s for lab, s in runs if lab == label) for label, _ in runs}
     for label, of_label in seeds.items():
         g = np.array([runs[label, s]["evaluations"][-1]["gain_strict"] for s in of_label])
-        half = stats.t.ppf(0.975, len(g) - 1) * g.std(ddof=1) / math.sqrt(len(g))
-        shown = f"[{g.mean() - half:+.3f}, {g.mean() + half:+.3f}]" if len(g) > 1 else "[one seed]"
+        half = stats.t.ppf(0.975, len(g) - 1) * g.std(ddof=1) / math.sqrt(len(g)) if len(g) > 1 else None
+        shown = f"[{g.mean() - half:+.3f}, {g.mean() + half:+.3f}]" if half is not None else "[one seed]"
         assert f"| {label} | {len(g)} | **{g.mean():+.3f}** {shown} |" in summary, label
     assert len(summary.splitlines()) == len(seeds) + 2  # a header, a rule and a row a label
     assert summary in readme and claims in readme
