@@ -204,24 +204,18 @@ class Args:
 
 
 # ----------------------------------------------------------------------------------------------------
-# 2 Toy world: GenEval-style prompts, a renderer and an exact scorer
+# 2 Toy world: GenEval-style prompts and an exact scorer
 #
 # Prompts are GenEval metadata: {"tag", "include": [{"class", "count", "color"?, "position"?: [relation, index]}],
 # "exclude"?: [...], "prompt"}. Classes are shapes in a four-colour palette, images RES x RES RGB in [0, 1] on black.
 
 RES = 16
-SHAPE_SIZE = 5
 TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
 CLASSES = ("circle", "square", "triangle")
 COLORS = {"red": (1.0, 0.0, 0.0), "green": (0.0, 1.0, 0.0), "blue": (0.0, 0.0, 1.0), "yellow": (1.0, 1.0, 0.0)}
 RELATIONS = ("left of", "right of", "above", "below")
 NUMBER_WORDS = {2: "two", 3: "three"}
-_MASK_ROWS = {  # 5x5 masks
-    "square": ["#####"] * 5,
-    "circle": [".###.", "#####", "#####", "#####", ".###."],
-    "triangle": ["..#..", ".###.", ".###.", "#####", "#####"],
-}
-SHAPE_MASKS = {k: np.array([[c == "#" for c in row] for row in rows]) for k, rows in _MASK_ROWS.items()}
+
 def make_prompt(tag: str, rng: random.Random, name_colours: bool = False) -> dict:
     """One random prompt of a GenEval category; `name_colours` names its free colours too (the toy's pretraining)."""
     (a, b), (ca, cb) = rng.sample(CLASSES, 2), rng.sample(list(COLORS), 2)
@@ -257,29 +251,12 @@ def relations(a: tuple, b: tuple) -> set:
     dx, dy = revised / np.linalg.norm(offset)
     return {rel for rel, holds in zip(RELATIONS, (dx < -0.5, dx > 0.5, dy < -0.5, dy > 0.5)) if holds}
 
-def render(meta: dict, rng: random.Random) -> np.ndarray:
-    """A ground-truth image (RES, RES, 3) in [0, 1] that satisfies the prompt; free attributes are random."""
-    objects = [(item["class"], item.get("color") or rng.choice(list(COLORS)))
-               for item in meta["include"] for _ in range(item["count"])]
-    span = RES - SHAPE_SIZE + 1
-    for _ in range(1000):  # rejection sampling of non-touching placements that satisfy the relation
-        corners = [(rng.randrange(span), rng.randrange(span)) for _ in objects]
-        boxes = [((x + SHAPE_SIZE / 2, y + SHAPE_SIZE / 2), (SHAPE_SIZE, SHAPE_SIZE)) for x, y in corners]
-        apart = all(abs(p[0] - q[0]) > SHAPE_SIZE or abs(p[1] - q[1]) > SHAPE_SIZE
-                    for i, p in enumerate(corners) for q in corners[:i])
-        if apart and all(item["position"][0] in relations(boxes[i], boxes[item["position"][1]])
-                         for i, item in enumerate(meta["include"]) if item.get("position")):
-            break
-    img = np.zeros((RES, RES, 3), dtype=np.float32)
-    for (cls, color), (x, y) in zip(objects, corners):
-        img[y:y + SHAPE_SIZE, x:x + SHAPE_SIZE][SHAPE_MASKS[cls]] = COLORS[color]
-    return img
-
 Detection = collections.namedtuple("Detection", "cls color centre size")  # cls None: a blob of no known shape
 
 def detect(img: np.ndarray, min_area: int = 6) -> list[Detection]:
-    """The toy object detector: nearest palette colour per pixel, 4-connected components, shape rule, exact on
-    rendered images: a square fills its box, a circle misses its corners (fill 21/25), a triangle is bottom-heavy."""
+    """The toy object detector: nearest palette colour per pixel, 4-connected components, shape rule, exact on the
+    shapes the toy base learned from: a square fills its box, a circle misses its corners (fill 21/25), a triangle is
+    bottom-heavy."""
     from scipy import ndimage
     palette = np.array([(0.0, 0.0, 0.0), *COLORS.values()])  # (5, 3), black background first
     nearest = ((img[:, :, None, :] - palette) ** 2).sum(-1).argmin(-1)  # (RES, RES), 0 the background
@@ -340,9 +317,6 @@ def score_batch(images: torch.Tensor, metas: list[dict]) -> dict[str, torch.Tens
     scores = [score_image(img, meta) for img, meta in zip(arr, metas)]
     return {k: torch.tensor([float(s[k]) for s in scores]) for k in scores[0]}
 
-def render_batch(metas: list[dict], rng: random.Random) -> torch.Tensor:
-    """Ground-truth images for prompts: (N, 3, RES, RES) in [0, 1]."""
-    return torch.from_numpy(np.stack([render(m, rng) for m in metas])).permute(0, 3, 1, 2)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1232,11 +1206,8 @@ def setup(args: Args, dist: Dist) -> Trainer:
     from transformers import set_seed
     args = resolved(args)  # the method's lr and iterations
     set_seed(args.seed)
-    if dist.rank > 0:  # rank 0 loads first: it alone downloads a hub model if needed
-        torch.distributed.barrier()
+    # every rank loads the model; huggingface_hub's file locks let one download a hub model while the others wait
     policy, reward_fn = load_policy(args, dist.device), build_reward(args, dist.device)
-    if dist.rank == 0 and dist.world > 1:
-        torch.distributed.barrier()
     grid = policy.time_grid(args.steps)
     chunk_sizes = chunk_sizes_of(policy, args, grid, dist)  # from the base model, before any adapter
     params = add_lora(policy, args)

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
@@ -22,6 +23,38 @@ import flow_grpo_credit as fgc  # noqa: E402
 VOCAB = ["[PAD]", "[UNK]", "a", "and", "of", *fgc.NUMBER_WORDS.values(), *fgc.COLORS, *fgc.CLASSES,
          *(c + "s" for c in fgc.CLASSES), "left", "right", "above", "below"]
 MAX_TOKENS = 8
+
+SHAPE_SIZE = 5
+_MASK_ROWS = {  # 5x5 masks
+    "square": ["#####"] * 5,
+    "circle": [".###.", "#####", "#####", "#####", ".###."],
+    "triangle": ["..#..", ".###.", ".###.", "#####", "#####"],
+}
+SHAPE_MASKS = {k: np.array([[c == "#" for c in row] for row in rows]) for k, rows in _MASK_ROWS.items()}
+
+
+def render(meta: dict, rng: random.Random) -> np.ndarray:
+    """A ground-truth image (RES, RES, 3) in [0, 1] that satisfies the prompt; free attributes are random."""
+    objects = [(item["class"], item.get("color") or rng.choice(list(fgc.COLORS)))
+               for item in meta["include"] for _ in range(item["count"])]
+    span = fgc.RES - SHAPE_SIZE + 1
+    for _ in range(1000):  # rejection sampling of non-touching placements that satisfy the relation
+        corners = [(rng.randrange(span), rng.randrange(span)) for _ in objects]
+        boxes = [((x + SHAPE_SIZE / 2, y + SHAPE_SIZE / 2), (SHAPE_SIZE, SHAPE_SIZE)) for x, y in corners]
+        apart = all(abs(p[0] - q[0]) > SHAPE_SIZE or abs(p[1] - q[1]) > SHAPE_SIZE
+                    for i, p in enumerate(corners) for q in corners[:i])
+        if apart and all(item["position"][0] in fgc.relations(boxes[i], boxes[item["position"][1]])
+                         for i, item in enumerate(meta["include"]) if item.get("position")):
+            break
+    img = np.zeros((fgc.RES, fgc.RES, 3), dtype=np.float32)
+    for (cls, color), (x, y) in zip(objects, corners):
+        img[y:y + SHAPE_SIZE, x:x + SHAPE_SIZE][SHAPE_MASKS[cls]] = fgc.COLORS[color]
+    return img
+
+
+def render_batch(metas: list[dict], rng: random.Random) -> torch.Tensor:
+    """Ground-truth images for prompts: (N, 3, RES, RES) in [0, 1]."""
+    return torch.from_numpy(np.stack([render(m, rng) for m in metas])).permute(0, 3, 1, 2)
 
 
 def with_unnamed_object(meta: dict, rng: random.Random) -> dict:
@@ -75,7 +108,7 @@ def pretrain_toy(steps: int, device, batch: int = 64, lr: float = 2e-3, detailed
     for _ in tqdm(range(steps), desc="pretraining toy model", leave=False):
         metas = fgc.train_prompts(batch, rng, detailed)
         drawn = [with_unnamed_object(m, rng) if rng.random() < unnamed else m for m in metas]
-        x0 = fgc.render_batch(drawn, rng) * 2 - 1  # (B, 3, fgc.RES, fgc.RES) in [-1, 1]
+        x0 = render_batch(drawn, rng) * 2 - 1  # (B, 3, fgc.RES, fgc.RES) in [-1, 1]
         captions = [m["prompt"] if rng.random() > 0.1 else "" for m in metas]
         x1 = torch.randn(x0.shape, generator=gen)
         t = torch.sigmoid(torch.randn(len(x0), generator=gen))  # logit-normal(0, 1)
