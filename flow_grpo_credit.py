@@ -166,6 +166,7 @@ class Args:
     cache_dir: str = ""  # where the base's evaluations are cached (default: $XDG_CACHE_HOME/flow_grpo_credit)
     base_cache: bool = True  # reuse this machine's evaluation of the base, kept in the cache folder
     tune: bool = False  # evaluate on tuning prompts and noise, never the held-out set's: for choosing flags
+    eval_kl: bool = False  # each evaluation also measures the policy's KL to the base along its ODE paths (kl_to_base)
 
     # GRPO and optimisation (Deviation 4)
     lr: float = 0.0  # AdamW learning rate of the LoRA parameters (0: the method's, 1e-3; g2rpo 3e-4)
@@ -1487,7 +1488,7 @@ def base_evaluation(args: Args, trainer: Trainer, code: str) -> tuple:
     return made
 
 EVALUATION_FLAGS = ("model", "reward", "reward_model", "extra_penalty", "prompts", "resolution", "dtype", "micro_batch",
-                    "eval_per_tag", "eval_steps", "tune", "guidance", "toy_base")
+                    "eval_per_tag", "eval_steps", "tune", "eval_kl", "guidance", "toy_base")
 
 @contextlib.contextmanager
 def ema_applied(ema, params: list):
@@ -1511,25 +1512,40 @@ def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None
     pairs = torch.arange(len(metas)) if pairs is None else torch.as_tensor(pairs)  # (N,) sorted
     noise = initial_noise(policy, len(metas), generator("tune-noise" if args.tune else "eval-noise"))[pairs]
     grid, metas = policy.time_grid(args.eval_steps), [metas[i] for i in pairs.tolist()]
-    images, rewards, reward_fn = [], [], reward_fn or build_reward(args, policy.device)
+    images, rewards, kls, reward_fn = [], [], [], reward_fn or build_reward(args, policy.device)
     cond = policy.encode([m["prompt"] for m in metas], device="cpu")  # the text encoders' one use, kept on the CPU
     for batch in torch.arange(len(metas)).split(args.micro_batch or len(metas)):
         batch_cond = {k: e[batch].to(policy.device) for k, e in cond.items()}
         ode = rollout(policy, batch_cond, noise[batch.to(noise.device)], grid, [False] * args.eval_steps, args, Meter())
+        kls += [kl_to_base(policy, batch_cond, ode, args).cpu()] if args.eval_kl else []
         image = policy.decode(ode.states[:, -1])
         rewards.append(reward_fn(image, [metas[i] for i in batch.tolist()]).float().cpu())
         images.append(image.cpu())  # only the batch being scored stays on the device
     images, rewards, tags = torch.cat(images), torch.cat(rewards), [m.get("tag", "prompt") for m in metas]
-    scores = {"reward": rewards, "pair": pairs}
+    scores, kl = {"reward": rewards, "pair": pairs}, {"eval_kl": float(torch.cat(kls).mean())} if kls else {}
     if args.model != "toy":
         mean, se = by_category(rewards, tags)
-        return {"eval_overall": mean, "eval_se": se, "eval_reward": mean}, images, metas, scores
+        return {"eval_overall": mean, "eval_se": se, "eval_reward": mean, **kl}, images, metas, scores
     scores |= score_batch(images, metas)
     (overall, se), (strict, _) = by_category(scores["geneval"], tags), by_category(scores["strict"], tags)
     accuracy = {f"eval_{tag}": by_category(scores["geneval"], tags, tag)[0] for tag in TAGS if tag in tags}
     return {"eval_overall": overall, "eval_se": se, "eval_strict": strict,
             "eval_extra": float((scores["extra"] > 0).float().mean()), **accuracy,
-            "eval_reward": float(rewards.mean())}, images, metas, scores
+            "eval_reward": float(rewards.mean()), **kl}, images, metas, scores
+
+def kl_to_base(policy, cond: dict, traj: Trajectory, args: Args) -> torch.Tensor:
+    """How far the policy has moved from the base (the x-axis of Gao et al. 2022's over-optimisation curves), (B,):
+    the sum over the trainable steps of the Gaussian KL of the SDE step from each state of `traj`, the policy's ODE
+    path, to the adapter-disabled base's (the per-step KL of Flow-GRPO's Eq. 10, Deviation 2)."""
+    kl = torch.zeros(len(traj.states), device=traj.states.device)
+    for k in trainable_steps(traj.times[0].cpu(), args).nonzero().flatten().tolist():
+        x, t, t_next, v = traj.states[:, k], traj.times[:, k], traj.times[:, k + 1], traj.velocities[:, k]
+        with adapter_disabled(policy.net):
+            v_base = policy.velocity(x, t, cond)
+        (mean, std), (mean_base, _) = [sde_step(x, velocity, t, t_next, kind=args.sde, noise_level=args.sde_level,
+                                                noise=torch.zeros(x.shape))[2:] for velocity in (v, v_base)]
+        kl += gaussian_kl(mean, mean_base, std)
+    return kl
 
 def curve_pairs(metas: list[dict], per_tag: int) -> list[int]:
     """The held-out pairs a curve point scores: every k-th of each category, k = the category's size // per_tag."""

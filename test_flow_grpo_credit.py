@@ -436,6 +436,38 @@ def adapter_params(policy):
     return [p for p in policy.net.parameters() if p.requires_grad]
 
 
+def test_kl_to_base_sums_each_trained_step_s_kl_as_the_flow_sde_s_mean_gives_it_and_is_zero_at_the_base():
+    """kl_to_base, written here from the flow SDE's mean (Flow-GRPO Eq. 9): mu - mu_base = -dt (1 + sigma^2 (1 - t)
+    / (2t)) (v - v_base), so KL_k = mean_d (mu - mu_base)^2 / (2 s_k^2), summed over the trainable steps; 0 with the
+    adapter off."""
+    ctx = ctx_for({})
+    policy, args, n = ctx.policy, ctx.args, len(ctx.grid) - 1
+    x = fgc.initial_noise(policy, 2, fgc.generator(5))
+    traj = fgc.rollout(policy, ctx.cond, x, ctx.grid, [False] * n, args, fgc.Meter())
+    expected = torch.zeros(2)
+    with torch.no_grad():
+        for k in fgc.trainable_steps(ctx.grid, args).nonzero().flatten().tolist():
+            t, dt, state = float(ctx.grid[k]), float(ctx.grid[k] - ctx.grid[k + 1]), traj.states[:, k]
+            sigma2 = args.sde_level**2 * t / (1 - (t if t < 1 else float(ctx.grid[k + 1])))  # t_next at t = 1
+            with fgc.adapter_disabled(policy.net):
+                v_base = policy.velocity(state, ctx.grid[k].expand(2), ctx.cond)
+            gap = dt * (1 + sigma2 * (1 - t) / (2 * t)) * (traj.velocities[:, k] - v_base)
+            expected += (gap**2).flatten(1).mean(1) / (2 * sigma2 * dt)
+        measured = fgc.kl_to_base(policy, ctx.cond, traj, args)
+        assert expected.min() > 0
+        torch.testing.assert_close(measured, expected, rtol=1e-4, atol=0)
+        lora_b = [p for name, p in policy.net.named_parameters() if "lora_B" in name]
+        kept = [p.clone() for p in lora_b]
+        try:  # an adapter of zeros is the base
+            for p in lora_b:
+                p.zero_()
+            base_traj = fgc.rollout(policy, ctx.cond, x, ctx.grid, [False] * n, args, fgc.Meter())
+            assert fgc.kl_to_base(policy, ctx.cond, base_traj, args).abs().max() == 0
+        finally:
+            for p, value in zip(lora_b, kept):
+                p.copy_(value)
+
+
 def test_group_advantages_are_standardised_and_zero_variance_groups_are_zero():
     ctx = ctx_for({})
     r = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 5.0, 5.0, 5.0])
