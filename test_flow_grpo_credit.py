@@ -2193,6 +2193,102 @@ def test_a_run_that_an_error_stops_leaves_a_record_that_names_it(tiny_cache, tmp
 
 
 # ----------------------------------------------------------------------------------------------------
+# the learned preference proxy: notebooks/toy_pref.py's gold, and the proxy it trained (assets/toy_pref)
+
+toy_pref = notebook_module("toy_pref")
+TOY_PREF = HERE / "assets" / "toy_pref"
+
+
+def render_truth(meta: dict, rng: random.Random) -> np.ndarray:
+    """Ground truth (RES, RES, 3) by the toy renderer: notebooks/toy_base.py's if it holds one, else the script's."""
+    return getattr(toy_base, "render", fgc.render)(meta, rng)
+
+
+def one_square(color="red", corner=(4, 3)):
+    """(a prompt asking for one `color` square, an image (1, 3, RES, RES) of exactly that square at `corner`)."""
+    item = {"class": "square", "count": 1, "color": color}
+    meta = {"tag": "colors", "include": [item], "prompt": f"a {color} square"}
+    img, (x, y) = torch.zeros(1, 3, fgc.RES, fgc.RES), corner
+    img[0, :, y:y + fgc.SHAPE_SIZE, x:x + fgc.SHAPE_SIZE] = torch.tensor(fgc.COLORS[color])[:, None, None]
+    return meta, img
+
+
+def test_gold_is_strict_plus_half_dense_minus_the_charge_plus_cleanliness():
+    """A clean correct image scores 1 + 1/2 + 1; an off-palette pixel lowers the cleanliness term alone, by its
+    distance to the palette over sqrt(5)/2 over the pixel count; an extra square costs strict's 1 and the charge; an
+    empty image keeps only cleanliness and pays the charge for the missing square."""
+    meta, clean = one_square()
+
+    def gold(images, charge=0.5):
+        return toy_pref.toy_gold(fgc.score_batch(images, [meta] * len(images)), images, charge).item()
+
+    assert gold(clean) == pytest.approx(2.5)
+    smudged = clean.clone()
+    smudged[0, :, 14, 14] = torch.tensor([0.5, 1.0, 1.0])  # the farthest colour from the palette: distance sqrt(5)/2
+    smudged[0, :, 0, 0] = torch.tensor([0.0, 0.0, 0.3])  # 0.3 from black
+    cleanliness = 1 - (1 + 0.3 / (math.sqrt(5) / 2)) / fgc.RES ** 2
+    assert toy_pref.colour_cleanliness(smudged).item() == pytest.approx(cleanliness, abs=1e-6)
+    assert gold(smudged) == pytest.approx(1.5 + cleanliness, abs=1e-6)  # single pixels: no object, scores as clean
+    extra = clean + one_square("blue", corner=(10, 10))[1]
+    for charge in (0.5, 0.3):
+        assert gold(extra, charge) == pytest.approx(2.5 - 1 - charge)
+        assert gold(torch.zeros_like(clean), charge) == pytest.approx(1 - charge)
+    rng = random.Random(6)
+    metas = [fgc.make_prompt(tag, rng) for tag in fgc.TAGS for _ in range(20)]
+    images = as_images([render_truth(m, rng) for m in metas])  # ground truth of every category: the gold's maximum, 2.5
+    torch.testing.assert_close(toy_pref.toy_gold(fgc.score_batch(images, metas), images), torch.full((120,), 2.5))
+
+
+def least_significant_count(n: int, alpha: float = 1e-3) -> int:
+    """The least k with P(X >= k) < alpha for X ~ Binomial(n, 1/2): k of n correct is no coin's luck."""
+    return next(k for k in range(n + 1) if sum(math.comb(n, j) for j in range(k, n + 1)) / 2 ** n < alpha)
+
+
+def worse_versions(meta: dict, img: np.ndarray, rng: random.Random) -> dict[str, np.ndarray]:
+    """`img` (ground truth of `meta`) made worse by name: 'erased' (its first shape blanked), 'extra' (one more
+    shape, where there is room) and 'smear' (a 6 x 6 block pulled half-way to grey: no pixel changes its nearest
+    colour, so it costs cleanliness alone)."""
+    first = fgc.detect(img)[0]
+    (cx, cy), (w, h) = first.centre, first.size
+    erased = img.copy()
+    erased[int(cy - h / 2):int(cy + h / 2), int(cx - w / 2):int(cx + w / 2)] = 0
+    smeared, (x, y) = img.copy(), (rng.randrange(fgc.RES - 5), rng.randrange(fgc.RES - 5))
+    smeared[y:y + 6, x:x + 6] = 0.5 * smeared[y:y + 6, x:x + 6] + 0.25
+    worse = {"erased": erased, "extra": with_extra_shape(img, meta, rng), "smear": smeared}
+    return {kind: w for kind, w in worse.items() if w is not None}
+
+
+def test_the_shipped_proxy_loads_through_clip_reward_and_prefers_the_gold_better_image():
+    """assets/toy_pref scores through the script's pickscore path. On pairs of held-out-like prompts' ground truth
+    and the same image made worse (worse_versions), the gold prefers the ground truth; so does the proxy, for each
+    way of making it worse (the smear: the gold's taste term alone) in more pairs than a coin would within p < 1e-3.
+    A caption scores alike alone and beside longer captions: the proxy's tokenizer ends each caption with the id CLIP
+    pools the text at, which the longest caption of a padded batch would otherwise lack."""
+    reward = fgc.clip_reward("pickscore", str(TOY_PREF), "cpu")
+    rng = random.Random(7)
+    metas, good, bad, kinds = [], [], [], []
+    for meta in (fgc.make_prompt(tag, rng) for tag in fgc.TAGS for _ in range(12)):
+        img = render_truth(meta, rng)
+        for kind, worse in worse_versions(meta, img, rng).items():
+            metas.append(meta)
+            good.append(img)
+            bad.append(worse)
+            kinds.append(kind)
+    good, bad = as_images(good), as_images(bad)
+    gold = [toy_pref.toy_gold(fgc.score_batch(images, metas), images) for images in (good, bad)]
+    assert (gold[0] > gold[1]).all()
+    with torch.no_grad():
+        s_good, s_bad = reward(good, metas), reward(bad, metas)
+        alone = torch.cat([reward(good[i:i + 1], metas[i:i + 1]) for i in range(6)])
+    torch.testing.assert_close(alone, s_good[:6], atol=1e-5, rtol=1e-5)
+    right = collections.Counter(kind for kind, ok in zip(kinds, (s_good > s_bad).tolist()) if ok)
+    counts = collections.Counter(kinds)
+    print({kind: f"{right[kind]} of {n}" for kind, n in counts.items()})
+    for kind in ("erased", "extra", "smear"):
+        assert right[kind] >= least_significant_count(counts[kind]), (kind, right[kind], counts[kind])
+
+
+# ----------------------------------------------------------------------------------------------------
 # notebooks: each runs top to bottom as shipped, and its exercise checks can both fail and pass
 
 
