@@ -140,7 +140,7 @@ class Args:
 
     method: str = "flow_grpo"  # flow_grpo, stepwise, tempflow, g2rpo or chunk
     model: str = "toy"  # 'toy' (the embedded shapes world), or a diffusers folder / hub id of SD3, SD3.5, FLUX.1
-    reward: str = "auto"  # toy-strict, toy, pickscore, clip or a sum clip:0.3,pickscore:1 (auto: toy-strict/pickscore)
+    reward: str = "auto"  # toy-strict, toy, toy-pref, pickscore, clip or a sum a:1,b:0.5 (auto: toy-strict/pickscore)
     reward_model: str = ""  # CLIP model of pickscore/clip, a path or hub id; name=path,... for a sum
     extra_penalty: float = 0.5  # toy-strict: reward lost per object beyond, or missing from, those the prompt asks for
     prompts: str = ""  # a text file, one prompt a line, every 10th held out (default: the toy prompts)
@@ -216,6 +216,7 @@ CLASSES = ("circle", "square", "triangle")
 COLORS = {"red": (1.0, 0.0, 0.0), "green": (0.0, 1.0, 0.0), "blue": (0.0, 0.0, 1.0), "yellow": (1.0, 1.0, 0.0)}
 RELATIONS = ("left of", "right of", "above", "below")
 NUMBER_WORDS = {2: "two", 3: "three"}
+PALETTE = np.array([(0.0, 0.0, 0.0), *COLORS.values()])  # (5, 3), the black background first
 
 def make_prompt(tag: str, rng: random.Random, name_colours: bool = False) -> dict:
     """One random prompt of a GenEval category; `name_colours` names its free colours too (the toy's pretraining)."""
@@ -259,10 +260,9 @@ def detect(img: np.ndarray, min_area: int = 6) -> list[Detection]:
     shapes the toy base learned from: a square fills its box, a circle misses its corners (fill 21/25), a triangle is
     bottom-heavy."""
     from scipy import ndimage
-    palette = np.array([(0.0, 0.0, 0.0), *COLORS.values()])  # (5, 3), black background first
-    nearest = ((img[:, :, None, :] - palette) ** 2).sum(-1).argmin(-1)  # (RES, RES), 0 the background
+    nearest = ((img[:, :, None, :] - PALETTE) ** 2).sum(-1).argmin(-1)  # (RES, RES), 0 the background
     found = []
-    for colour in range(1, len(palette)):
+    for colour in range(1, len(PALETTE)):
         components, n = ndimage.label(nearest == colour)  # 4-connected: scipy's default structure
         for ys, xs in (np.nonzero(components == i) for i in range(1, n + 1)):  # each in raster order
             if len(ys) < min_area:
@@ -317,6 +317,22 @@ def score_batch(images: torch.Tensor, metas: list[dict]) -> dict[str, torch.Tens
     arr = images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()
     scores = [score_image(img, meta) for img, meta in zip(arr, metas)]
     return {k: torch.tensor([float(s[k]) for s in scores]) for k in scores[0]}
+
+def colour_cleanliness(images: torch.Tensor) -> torch.Tensor:
+    """(N, 3, RES, RES) in [0, 1] -> (N,): 1 - the mean distance of a pixel to its nearest palette colour, over
+    sqrt(5)/2, the farthest any RGB colour lies from the palette (at (0.5, 1, 1) and its like). 1: every pixel clean."""
+    pixels = images.detach().double().clamp(0, 1).permute(0, 2, 3, 1).cpu()  # (N, RES, RES, 3)
+    distance = (pixels[..., None, :] - torch.from_numpy(PALETTE)).norm(dim=-1).amin(-1)  # (N, RES, RES)
+    return (1 - distance.mean((1, 2)) / (5**0.5 / 2)).float()
+
+def toy_gold(scores: dict, images: torch.Tensor, charge: float = 0.5) -> torch.Tensor:
+    """The preference world's gold, what its rater wants, from score_batch's scores and the images -> (N,):
+        gold = strict + dense / 2 - charge * (extra + missing) + colour_cleanliness
+    strict: alignment as GenEval judges it, nothing left out and nothing added; dense / 2: partial credit, so that a
+    near miss beats a wide miss; the charge: an image that drops an asked object or adds one loses; cleanliness:
+    taste, which base samples vary on and the exact scorer (it rounds each pixel to the palette) does not see."""
+    counted = scores["extra"] + scores["missing"]
+    return scores["strict"] + scores["dense"] / 2 - charge * counted + colour_cleanliness(images)
 
 
 
@@ -509,7 +525,8 @@ def load_policy(args: Args, device) -> Policy:
 
 CLIP_DEFAULTS = {"pickscore": ("yuvalkirstain/PickScore_v1", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"),
                  "clip": ("openai/clip-vit-large-patch14",) * 2}  # (model, processor)
-REWARD_NAMES = ("toy-strict", "toy", *CLIP_DEFAULTS)
+REWARD_NAMES = ("toy-strict", "toy", "toy-pref", *CLIP_DEFAULTS)
+TOY_PREF = Path(__file__).resolve().parent / "assets" / "toy_pref"  # the learned proxy: notebooks/toy_pref.py's output
 
 def toy_reward(images: torch.Tensor, metas: list[dict]) -> torch.Tensor:
     """GenEval's rule, densely: the scorer's partial score in [0, 1]. Extra objects cost nothing."""
@@ -569,7 +586,8 @@ def build_reward(args: Args, device):
         "toy": lambda images, metas: toy_reward(images, metas),
         "toy-strict": lambda images, metas: toy_strict_reward(images, metas, args.extra_penalty),
         **{n: clip_reward(n, named.get(n, "" if named else args.reward_model), device)
-           for n, _ in terms if n in CLIP_DEFAULTS}}
+           for n, _ in terms if n in CLIP_DEFAULTS},
+        **{n: clip_reward("pickscore", str(TOY_PREF), device) for n, _ in terms if n == "toy-pref"}}
     return lambda images, metas: sum(w * scorers[n](images, metas).to(device).float() for n, w in terms)
 
 
@@ -1468,9 +1486,10 @@ def base_evaluation(args: Args, trainer: Trainer, code: str) -> tuple:
     """The base model's evaluation, cached on this machine under a key of all that determines it (weights, evaluation
     flags, the script's `code` id as the run started, torch, CPU, threads): a campaign evaluates the base once."""
     weights = toy_folder(args) if args.model == "toy" else Path(args.model)  # a hub id: no such folder, its name
-    files = sorted(p for p in weights.rglob("*") if p.is_file()) if weights.exists() else []
+    folders = [weights, *([TOY_PREF] if "toy-pref" in reward_spec(args) else [])]  # the proxy scores the base too
+    files = sorted(p for folder in folders if folder.exists() for p in folder.rglob("*") if p.is_file())
     prompts = Path(args.prompts).read_text() if args.prompts else ""
-    key = {"weights": [(str(p.relative_to(weights)), p.stat().st_size, p.stat().st_mtime_ns) for p in files],
+    key = {"weights": [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files],
            "prompts_text": prompts,
            **{k: v for k, v in dataclasses.asdict(args).items() if k in EVALUATION_FLAGS}, "code": code,
            "torch": torch.__version__, "cpu": cpu_name(), "threads": torch.get_num_threads(),
@@ -1527,11 +1546,12 @@ def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None
         mean, se = by_category(rewards, tags)
         return {"eval_overall": mean, "eval_se": se, "eval_reward": mean, **kl}, images, metas, scores
     scores |= score_batch(images, metas)
+    scores |= {"taste": colour_cleanliness(images), "gold": toy_gold(scores, images)}  # the preference world's gold
     (overall, se), (strict, _) = by_category(scores["geneval"], tags), by_category(scores["strict"], tags)
     accuracy = {f"eval_{tag}": by_category(scores["geneval"], tags, tag)[0] for tag in TAGS if tag in tags}
-    return {"eval_overall": overall, "eval_se": se, "eval_strict": strict,
-            "eval_extra": float((scores["extra"] > 0).float().mean()), **accuracy,
-            "eval_reward": float(rewards.mean()), **kl}, images, metas, scores
+    return {"eval_overall": overall, "eval_se": se, "eval_strict": strict, **accuracy,
+            **{f"eval_{k}": float((scores[k] > 0).float().mean()) for k in ("extra", "missing")},
+            **{f"eval_{k}": float(scores[k].mean()) for k in ("gold", "taste", "reward")}, **kl}, images, metas, scores
 
 def kl_to_base(policy, cond: dict, traj: Trajectory, args: Args) -> torch.Tensor:
     """How far the policy has moved from the base (the x-axis of Gao et al. 2022's over-optimisation curves), (B,):
@@ -1563,7 +1583,7 @@ def by_category(values: torch.Tensor, tags: list[str], only: str | None = None) 
 
 def paired_gains(after: dict, before: dict, tags: list[str]) -> dict:
     """Each held-out score's gain over the base evaluation, ± its paired standard error (same prompts and noise)."""
-    keys = {"overall": "geneval" if "geneval" in after else "reward", "strict": "strict"}
+    keys = {"overall": "geneval" if "geneval" in after else "reward", "strict": "strict", "gold": "gold"}
     gains = {name: by_category(after[key] - before[key], tags) for name, key in keys.items() if key in after}
     return {k: v for name, (gain, se) in gains.items() for k, v in ((f"gain_{name}", gain), (f"gain_{name}_se", se))}
 

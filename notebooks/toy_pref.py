@@ -1,10 +1,12 @@
 """The toy's learned preference proxy: a tiny CLIP trained on noisy pairwise preferences drawn from a known gold.
 
     python notebooks/toy_pref.py --out my_toy_pref          # 10,000 prompts: 53 minutes on one core (below)
-    python flow_grpo_credit.py --reward pickscore --reward-model my_toy_pref    # train against the proxy
+    python flow_grpo_credit.py --reward toy-pref            # train against the shipped proxy, assets/toy_pref
+    python flow_grpo_credit.py --reward pickscore --reward-model my_toy_pref    # ... or against a remade one
 
-The gold (toy_gold) is what a rater would want; the proxy sees only preferences between two base samples of one
-prompt, drawn from the gold by Bradley-Terry at temperature 0.1, as PickScore learned from Pick-a-Pic's choices.
+The gold (the script's toy_gold, which every toy evaluation reports) is what a rater would want; the proxy sees only
+preferences between two base samples of one prompt, drawn from the gold by Bradley-Terry at temperature 0.1, as
+PickScore learned from Pick-a-Pic's choices.
 RL against the proxy can then be scored against the gold it imitates: how much of a proxy gain is real.
 
 assets/toy_pref is this recipe's output; report.json holds the numbers it printed. Its phases took, on one core of
@@ -25,29 +27,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flow_grpo_credit as fgc  # noqa: E402
-
-
-def colour_cleanliness(images) -> torch.Tensor:
-    """(N, 3, H, W) in [0, 1] -> (N,): 1 - the mean over pixels of each pixel's distance to its nearest palette
-    colour (black and the four fgc.COLORS) divided by sqrt(5)/2, the farthest any RGB colour lies from that palette
-    (at (0.5, 1, 1) and its like, half-way between cyan and white). 1: every pixel a palette colour."""
-    palette = torch.tensor([(0.0, 0.0, 0.0), (1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0), (1.0, 1.0, 0.0)],
-                           dtype=torch.float64)  # (5, 3), black first
-    x = torch.as_tensor(images, dtype=torch.float64).clamp(0, 1).permute(0, 2, 3, 1)  # (N, H, W, 3)
-    distance = (x[..., None, :] - palette).norm(dim=-1).amin(-1)  # (N, H, W)
-    return (1 - distance.mean((1, 2)) / (5 ** 0.5 / 2)).float()
-
-
-def toy_gold(scores: dict, images, charge: float = 0.5) -> torch.Tensor:
-    """The gold a rater would judge by, from fgc.score_batch's dict and the (N, 3, H, W) images -> (N,):
-        gold = strict + dense / 2 - charge * (extra + missing) + colour_cleanliness
-    strict       alignment as GenEval judges it, with nothing asked for left out and nothing added;
-    dense / 2    partial credit, so that the gold is smooth: a near miss beats a wide miss;
-    charge       an image that drops an asked object or adds one loses `charge` per object (the toy-strict penalty);
-    cleanliness  taste: base samples vary in how crisp their colours are and the exact scorer, which rounds each
-                 pixel to its nearest colour, does not see it, as human preference holds taste beside alignment."""
-    counted = scores["extra"] + scores["missing"]
-    return scores["strict"] + scores["dense"] / 2 - charge * counted + colour_cleanliness(images)
 
 
 @torch.no_grad()
@@ -152,7 +131,7 @@ def labelled_pairs(policy, metas: list[dict], seed_key: str, args) -> dict:
     keyed by `seed_key` and the seed. -> images (2N, 3, RES, RES), prompts (2N), gold (2N,), label and p (N,)."""
     images = sample_pairs(policy, metas, fgc.generator("toy-pref", seed_key, "noise", args.seed), args.steps)
     doubled = [m for m in metas for _ in range(2)]
-    gold = toy_gold(fgc.score_batch(images, doubled), images, args.charge)
+    gold = fgc.toy_gold(fgc.score_batch(images, doubled), images, args.charge)
     label, p = bt_labels(gold, fgc.generator("toy-pref", seed_key, "labels", args.seed), args.temperature)
     return {"images": images, "prompts": [m["prompt"] for m in doubled], "gold": gold, "label": label, "p": p}
 
@@ -221,7 +200,7 @@ def main(argv=None) -> int:
     torch.testing.assert_close(s, score_all(clip, tok, heldout), atol=1e-4, rtol=1e-4)
     gold, label = heldout["gold"], heldout["label"]
     ordered = gold[0::2] != gold[1::2]  # (P,) pairs the gold orders
-    gold_first, clean = (gold[0::2] > gold[1::2]).float(), colour_cleanliness(heldout["images"])
+    gold_first, clean = (gold[0::2] > gold[1::2]).float(), fgc.colour_cleanliness(heldout["images"])
     report = {
         "heldout_label_agreement": agreement(s, label),
         "heldout_gold_order_agreement": agreement(s.view(-1, 2)[ordered].flatten(), gold_first[ordered]),
