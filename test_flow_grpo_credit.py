@@ -270,8 +270,8 @@ class GroundTruthPolicy:
 def test_evaluate_reports_geneval_strict_and_extra_rates_per_category():
     """evaluate() on a policy that draws known images: ground truth (passes both rules), ground truth with
     an extra shape (passes GenEval's rule only) or a blank image (fails both). eval_overall and
-    eval_strict are means of the six category accuracies, eval_extra the fraction of images with an
-    extra object, eval_se the standard error of eval_overall; images come back on the CPU."""
+    eval_strict are means of the six category accuracies, eval_extra (eval_missing) the fraction of images with an
+    extra (a missing) object, eval_se the standard error of eval_overall; images come back on the CPU."""
     metas, clean, extra = ground_truth_with_extras(per_tag=4, seed=5)
     kind = [i % 4 for i in range(len(metas))]  # per category: 2 clean, 1 with an extra shape, 1 blank
     images = torch.stack([extra[i] if k == 2 else torch.zeros_like(clean[i]) if k == 3 else clean[i]
@@ -286,7 +286,8 @@ def test_evaluate_reports_geneval_strict_and_extra_rates_per_category():
     assert metrics["eval_overall"] == pytest.approx(p)
     assert all(metrics[f"eval_{tag}"] == pytest.approx(p) for tag in fgc.TAGS)
     assert metrics["eval_strict"] == pytest.approx(0.5)
-    assert metrics["eval_extra"] == pytest.approx(0.25)
+    assert metrics["eval_extra"] == pytest.approx(0.25) and metrics["eval_missing"] == pytest.approx(0.25)  # blanks
+    assert metrics["eval_gold"] == pytest.approx(float(scores["gold"].mean()))
     assert metrics["eval_se"] == pytest.approx(math.sqrt(len(fgc.TAGS) * p * (1 - p) / per_tag) / len(fgc.TAGS))
     default = fgc.build_reward(args, torch.device("cpu"))  # no reward_fn: the run's reward, toy-strict here
     assert metrics["eval_reward"] == pytest.approx(float(default(images, metas).mean()))
@@ -294,7 +295,7 @@ def test_evaluate_reports_geneval_strict_and_extra_rates_per_category():
     metrics, *_ = fgc.evaluate(policy, dataclasses.replace(args, micro_batch=5), fgc.toy_reward, metas)
     assert policy.encoded == len(metas), "in micro-batches, every prompt once"
     assert metrics["eval_reward"] == pytest.approx(float(fgc.toy_reward(images, metas).mean()))
-    assert set(scores) == {"geneval", "dense", "strict", "extra", "missing", "reward", "pair"}
+    assert set(scores) == {"geneval", "dense", "strict", "extra", "missing", "reward", "pair", "gold", "taste"}
     assert scores["pair"].tolist() == list(range(len(metas)))  # each image's number in the held-out set
     two = [i for i, m in enumerate(metas) if m["tag"] in ("counting", "position")]  # any subset of the categories
     sub = GroundTruthPolicy([metas[i] for i in two], images[two] * 2 - 1)
@@ -2298,6 +2299,25 @@ def test_the_shipped_proxy_orders_held_out_pairs_of_base_samples_as_the_gold_doe
     agree = int(((proxy[:, 0] > proxy[:, 1]) == (gold[:, 0] > gold[:, 1]))[ordered].sum())
     print(f"the proxy orders {agree} of {int(ordered.sum())} pairs as the gold does")
     assert agree >= least_significant_count(int(ordered.sum()))
+
+
+def test_the_proxy_recipe_writes_a_folder_under_1_mb_that_the_script_scores_as_the_recipe_did(tmp_path):
+    """notebooks/toy_pref.py at a tiny size: its weights stay under 1 MB, its own check passes (the held-out scores
+    through the script's clip_reward equal those of the model it trained), --reward pickscore --reward-model FOLDER
+    loads the folder, and a folder that exists is refused."""
+    recipe = notebook_module("toy_pref")
+    out = tmp_path / "proxy"
+    assert recipe.main(["--out", str(out), "--prompts", "40", "--heldout-per-tag", "2", "--epochs", "1"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["weights_bytes"] == (out / "model.safetensors").stat().st_size <= 1_000_000
+    assert (report["train_pairs"], report["val_pairs"], report["heldout_pairs"]) == (36, 4, 12)
+    metas = fgc.eval_prompts(1)
+    images = torch.rand(len(metas), 3, fgc.RES, fgc.RES, generator=fgc.generator("recipe-test"))
+    reward = fgc.build_reward(fgc.Args(reward="pickscore", reward_model=str(out)), torch.device("cpu"))
+    with torch.no_grad():
+        scores = reward(images, metas)
+    assert scores.shape == (len(metas),) and scores.std() > 0, "a score of its own for each image"
+    assert recipe.main(["--out", str(out)]) == 2
 
 
 def test_a_run_under_toy_pref_logs_the_gold_its_terms_and_the_kl_to_the_base(tiny_cache, tmp_path):
