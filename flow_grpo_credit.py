@@ -1583,7 +1583,8 @@ def by_category(values: torch.Tensor, tags: list[str], only: str | None = None) 
 
 def paired_gains(after: dict, before: dict, tags: list[str]) -> dict:
     """Each held-out score's gain over the base evaluation, ± its paired standard error (same prompts and noise)."""
-    keys = {"overall": "geneval" if "geneval" in after else "reward", "strict": "strict", "gold": "gold"}
+    toy = {"overall": "geneval", "reward": "reward", "strict": "strict", "gold": "gold"}  # the reward: toy-pref's proxy
+    keys = toy if "geneval" in after else {"overall": "reward"}
     gains = {name: by_category(after[key] - before[key], tags) for name, key in keys.items() if key in after}
     return {k: v for name, (gain, se) in gains.items() for k, v in ((f"gain_{name}", gain), (f"gain_{name}_se", se))}
 

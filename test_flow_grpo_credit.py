@@ -2339,6 +2339,9 @@ def test_a_run_under_toy_pref_logs_the_gold_its_terms_and_the_kl_to_the_base(tin
         assert h["eval_taste"] == pytest.approx(float(scores["taste"].mean()))
         assert h["eval_missing"] == pytest.approx(float((scores["missing"] > 0).float().mean()))
         assert h["eval_reward"] == pytest.approx(float(scores["reward"].mean()))
+        if h["iteration"]:  # the proxy's gain, paired on the evaluation's pairs
+            base = torch.load(run / "scores_0000.pt", weights_only=True)["reward"][scores["pair"]]
+            assert h["gain_reward"] == pytest.approx(float((scores["reward"] - base).mean()))
         assert "gain_gold" in h and "gain_gold_se" in h
     assert json.loads((run / "record.json").read_text())["args"]["reward"] == "toy-pref"
 
