@@ -325,15 +325,15 @@ def colour_cleanliness(images: torch.Tensor) -> torch.Tensor:
     distance = (pixels[..., None, :] - torch.from_numpy(PALETTE)).norm(dim=-1).amin(-1)  # (N, RES, RES)
     return (1 - distance.mean((1, 2)) / (5**0.5 / 2)).float()
 
-def toy_gold(scores: dict, images: torch.Tensor, charge: float = 0.5) -> torch.Tensor:
-    """The preference world's gold, what its rater wants, from score_batch's scores and the images -> (N,):
-        gold = strict + dense / 2 - charge * (extra + missing) + colour_cleanliness
+def toy_gold(scores: dict, taste: torch.Tensor, charge: float = 0.5) -> torch.Tensor:
+    """The preference world's gold, what its rater wants, from score_batch's scores and the images' taste term
+    (colour_cleanliness), (N,) each -> (N,):
+        gold = strict + dense / 2 - charge * (extra + missing) + taste
     strict: alignment as GenEval judges it, nothing left out and nothing added; dense / 2: partial credit, so that a
     near miss beats a wide miss; the charge: an image that drops an asked object or adds one loses; cleanliness:
     taste, which base samples vary on and the exact scorer (it rounds each pixel to the palette) does not see."""
     counted = scores["extra"] + scores["missing"]
-    return scores["strict"] + scores["dense"] / 2 - charge * counted + colour_cleanliness(images)
-
+    return scores["strict"] + scores["dense"] / 2 - charge * counted + taste
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1546,7 +1546,8 @@ def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None
         mean, se = by_category(rewards, tags)
         return {"eval_overall": mean, "eval_se": se, "eval_reward": mean, **kl}, images, metas, scores
     scores |= score_batch(images, metas)
-    scores |= {"taste": colour_cleanliness(images), "gold": toy_gold(scores, images)}  # the preference world's gold
+    scores["taste"] = colour_cleanliness(images)
+    scores["gold"] = toy_gold(scores, scores["taste"])  # the preference world's gold
     (overall, se), (strict, _) = by_category(scores["geneval"], tags), by_category(scores["strict"], tags)
     accuracy = {f"eval_{tag}": by_category(scores["geneval"], tags, tag)[0] for tag in TAGS if tag in tags}
     return {"eval_overall": overall, "eval_se": se, "eval_strict": strict, **accuracy,

@@ -2215,7 +2215,8 @@ def test_gold_is_strict_plus_half_dense_minus_the_charge_plus_cleanliness():
     meta, clean = one_square()
 
     def gold(images, charge=0.5):
-        return fgc.toy_gold(fgc.score_batch(images, [meta] * len(images)), images, charge).item()
+        scores = fgc.score_batch(images, [meta] * len(images))
+        return fgc.toy_gold(scores, fgc.colour_cleanliness(images), charge).item()
 
     assert gold(clean) == pytest.approx(2.5)
     smudged = clean.clone()
@@ -2231,7 +2232,8 @@ def test_gold_is_strict_plus_half_dense_minus_the_charge_plus_cleanliness():
     rng = random.Random(6)
     metas = [fgc.make_prompt(tag, rng) for tag in fgc.TAGS for _ in range(20)]
     images = as_images([toy_base.render(m, rng) for m in metas])  # every category: the gold's maximum
-    torch.testing.assert_close(fgc.toy_gold(fgc.score_batch(images, metas), images), torch.full((120,), 2.5))
+    gold = fgc.toy_gold(fgc.score_batch(images, metas), fgc.colour_cleanliness(images))
+    torch.testing.assert_close(gold, torch.full((120,), 2.5))
 
 
 def least_significant_count(n: int, alpha: float = 1e-3) -> int:
@@ -2270,7 +2272,7 @@ def test_the_shipped_proxy_loads_through_clip_reward_and_prefers_the_gold_better
             bad.append(worse)
             kinds.append(kind)
     good, bad = as_images(good), as_images(bad)
-    gold = [fgc.toy_gold(fgc.score_batch(images, metas), images) for images in (good, bad)]
+    gold = [fgc.toy_gold(fgc.score_batch(images, metas), fgc.colour_cleanliness(images)) for images in (good, bad)]
     assert (gold[0] > gold[1]).all()
     with torch.no_grad():
         s_good, s_bad = reward(good, metas), reward(bad, metas)
@@ -2287,12 +2289,9 @@ def test_the_shipped_proxy_orders_held_out_pairs_of_base_samples_as_the_gold_doe
     """384 held-out prompts, two base samples each (the evaluation's ODE, noise the proxy never saw): the proxy orders
     the pairs as the gold does in more of them than a coin would within p < 1e-3 (its report: 67% of 1,536)."""
     policy, metas = fgc.load_toy(fgc.Args(), "cpu"), fgc.eval_prompts(64)
-    noise = fgc.initial_noise(policy, 2 * len(metas), fgc.generator("proxy-test-noise"))
-    doubled = [m for m in metas for _ in range(2)]
-    ode = fgc.rollout(policy, policy.encode([m["prompt"] for m in doubled]), noise, policy.time_grid(10),
-                      [False] * 10, fgc.Args(), fgc.Meter())
-    images = policy.decode(ode.states[:, -1])
-    gold = fgc.toy_gold(fgc.score_batch(images, doubled), images).view(-1, 2)
+    images = notebook_module("toy_pref").sample_pairs(policy, metas, fgc.generator("proxy-test-noise"), steps=10)
+    doubled = [m for m in metas for _ in range(2)]  # rows 2i and 2i + 1: prompt i's pair
+    gold = fgc.toy_gold(fgc.score_batch(images, doubled), fgc.colour_cleanliness(images)).view(-1, 2)
     with torch.no_grad():
         proxy = fgc.build_reward(fgc.Args(reward="toy-pref"), torch.device("cpu"))(images, doubled).view(-1, 2)
     ordered = gold[:, 0] != gold[:, 1]

@@ -131,7 +131,7 @@ def labelled_pairs(policy, metas: list[dict], seed_key: str, args) -> dict:
     keyed by `seed_key` and the seed. -> images (2N, 3, RES, RES), prompts (2N), gold (2N,), label and p (N,)."""
     images = sample_pairs(policy, metas, fgc.generator("toy-pref", seed_key, "noise", args.seed), args.steps)
     doubled = [m for m in metas for _ in range(2)]
-    gold = fgc.toy_gold(fgc.score_batch(images, doubled), images, args.charge)
+    gold = fgc.toy_gold(fgc.score_batch(images, doubled), fgc.colour_cleanliness(images), args.charge)
     label, p = bt_labels(gold, fgc.generator("toy-pref", seed_key, "labels", args.seed), args.temperature)
     return {"images": images, "prompts": [m["prompt"] for m in doubled], "gold": gold, "label": label, "p": p}
 
