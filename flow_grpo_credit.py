@@ -1471,7 +1471,7 @@ class RunFolder:
         training = {k: [h.get(k) if isinstance(h.get(k), (int, type(None))) else float(f"{h[k]:.4g}") for h in lines]
                     for k in keys}
         evaluations = [h | {"scores": per_pair(torch.load(self.path / f"scores_{h['iteration']:04d}.pt",
-                                                          weights_only=True))}
+                                                          weights_only=True), self.args)}
                        for h in self.history if "eval_overall" in h]
         record = {"label": run_label(self.args), "seed": self.args.seed, "args": dataclasses.asdict(self.args),
                   "iterations": self.args.iterations, "nfe": max([0] + [h["nfe"] for h in self.history if "nfe" in h]),
@@ -1633,10 +1633,14 @@ def plot_curves(history: list[dict], path: Path, label: str) -> None:
         ax.legend(fontsize=7)
     fig.savefig(path, dpi=110)
 
-def per_pair(scores: dict) -> dict:
-    """An evaluation's per-pair scores for a record: pair numbers, the toy's integer scores or a model's rewards."""
-    kept = ("pair", "strict", "geneval", "extra", "missing") if "strict" in scores else ("pair", "reward")
-    return {k: scores[k].int().tolist() if k != "reward" else [round(x, 4) for x in scores[k].tolist()] for k in kept}
+def per_pair(scores: dict, args: Args) -> dict:
+    """An evaluation's per-pair scores for a record: pair numbers, the toy's integer scores or a model's rewards;
+    under toy-pref also the proxy's reward and the gold (to 4 digits), which notebook 04 sets against each other."""
+    toy, pref = "strict" in scores, reward_spec(args) == "toy-pref"
+    counts = ("pair", "strict", "geneval", "extra", "missing") if toy else ("pair",)
+    floats = ("reward", "gold") if pref else () if toy else ("reward",)
+    return {k: scores[k].int().tolist() for k in counts} | {k: [round(x, 4) for x in scores[k].tolist()]
+                                                             for k in floats}
 
 
 # ----------------------------------------------------------------------------------------------------
