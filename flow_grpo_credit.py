@@ -1455,7 +1455,8 @@ class RunFolder:
         plot_curves(self.history, self.path / "reward_curve.png", self.args.method)
         self.write_record()
         first, *_, last = [h for h in self.history if "eval_overall" in h]
-        print(f"done: {self.path}\nheld-out score {first['eval_overall']:.3f} -> {last['eval_overall']:.3f} "
+        scored_on = "tuning" if self.args.tune else "held-out"
+        print(f"done: {self.path}\n{scored_on} score {first['eval_overall']:.3f} -> {last['eval_overall']:.3f} "
               f"({last['gain_overall']:+.3f} ± {last['gain_overall_se']:.3f} paired s.e.)")
         if "eval_strict" in last:
             print(f"strict {first['eval_strict']:.3f} -> {last['eval_strict']:.3f} ({last['gain_strict']:+.3f} ± "

@@ -1635,12 +1635,14 @@ torch.distributed.destroy_process_group()  # gloo aborts at exit without it, now
 
 def test_benchmark_counts_the_work_of_one_iteration_and_splits_its_time_into_phases(tiny_cache, monkeypatch):
     """The benchmark times one iteration after a warm-up: its counts are those of one iteration of the method
-    (passes, images, and the transitions update() trained: one group had equal rewards, so only the other's),
+    (passes of sampling and training, images, and the transitions update() trained: one group had equal rewards, so
+    only the other's),
     the reward's seconds are taken out of sampling's, and the phases add up to the total."""
     monkeypatch.setattr(fgc, "toy_strict_reward", first_group_flat)
     result = benchmark_module().benchmark(tiny_args(tiny_cache, "unused", group_size=3, device="cpu"), repeat=1)
-    assert result["images"] == 2 * 3 and result["passes"] == 2 * 3 * 4, "2 prompts x group 3, 4 SDE steps"
     assert result["transitions"] == 3 * 3, "the group with a spread: 3 trajectories x 3 trained steps"
+    assert result["images"] == 2 * 3 and result["passes"] == 2 * 3 * 4 + 3 * 3, "2 prompts x group 3, 4 SDE steps; " \
+        "then one pass a trained transition"
     phases = ("encode_s", "sample_s", "reward_s", "train_s")
     assert all(result[k] > 0 for k in phases) and result["peak_rss_gb"] > 0
     assert result["total_s"] == pytest.approx(sum(result[k] for k in phases))
@@ -2001,8 +2003,8 @@ def test_benchmark_of_a_real_pipeline_counts_cfg_passes(tiny_real):
     """The benchmark on the tiny SD3 (real CFG: two forward passes a step): counts of passes, images and trained
     transitions of one iteration, the CPU's peak memory (no CUDA figures) and every phase's seconds."""
     result = benchmark_module().benchmark(real_args(tiny_real, "unused", device="cpu"), repeat=1)
-    images, passes = 2 * 2, 2 * 2 * 4 * 2
-    assert result["images"] == images and result["passes"] == passes, "2 prompts x group 2, 4 steps, 2 passes"
+    images, passes = 2 * 2, 2 * 2 * 4 * 2 + 2 * 2 * 3 * 2  # sampling, then the 3 trained steps of each image
+    assert result["images"] == images and result["passes"] == passes, "2 prompts x group 2, 4 steps, 2 passes a step"
     assert result["transitions"] == images * 3
     assert result["peak_rss_gb"] > 0 and "peak_allocated_gb" not in result
     assert all(result[k] > 0 for k in ("encode_s", "sample_s", "reward_s", "train_s", "images_per_s"))
