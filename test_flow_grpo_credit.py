@@ -52,13 +52,16 @@ toy_base = notebook_module("toy_base")
 
 # the notebooks, first: notebook 02 is the longest test, and `pytest -n auto` hands tests out in this order
 # (solutions and helpers below, with the notebooks' other tests)
-NOTEBOOKS = ["02_credit_assignment_side_by_side.ipynb", "01_flow_grpo_walkthrough.ipynb", "03_head_to_head.ipynb"]
+NOTEBOOKS = ["02_credit_assignment_side_by_side.ipynb", "01_flow_grpo_walkthrough.ipynb", "03_head_to_head.ipynb",
+             "04_over_optimisation.ipynb"]
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs_and_its_exercise_checks_fail_as_shipped_and_pass_when_solved(name, tmp_path, monkeypatch):
     if name.startswith("03"):  # on a copy of the committed records, so that its comparison.md and figures go there
         monkeypatch.setenv("FGC_COMPARISON", str(shutil.copytree(COMMITTED_RECORDS, tmp_path / "comparison")))
+    if name.startswith("04"):  # likewise, its preference.md and figures
+        monkeypatch.setenv("FGC_PREFERENCE", str(shutil.copytree(COMMITTED_PREFERENCE, tmp_path / "preference")))
     shipped, solved = run_notebook(name)
     assert all("✗" in out and "✓" not in out for out in shipped), shipped
     assert all("✓" in out and "✗" not in out for out in solved), solved
@@ -2323,8 +2326,9 @@ def test_the_proxy_recipe_writes_a_folder_under_1_mb_that_the_script_scores_as_t
 
 def test_a_run_under_toy_pref_logs_the_gold_its_terms_and_the_kl_to_the_base(tiny_cache, tmp_path):
     """Every toy evaluation reports the gold (toy_gold of each image, its mean eval_gold, its paired gain), the taste
-    term and the images missing an asked object; under --reward toy-pref eval_reward is the proxy's mean, and
-    --eval-kl adds the KL to the base: 0 at the start, where the adapter is 0, positive once trained."""
+    term and the images missing an asked object; under --reward toy-pref eval_reward is the proxy's mean (the record
+    keeps it and the gold per pair), and --eval-kl adds the KL to the base: 0 at the start, where the adapter is 0,
+    positive once trained."""
     args = tiny_args(tiny_cache, tmp_path, iterations=2, lr=1e-2, reward="toy-pref", eval_kl=True, eval_every=1)
     history = fgc.train(args)
     run = next(tmp_path.iterdir())
@@ -2344,7 +2348,12 @@ def test_a_run_under_toy_pref_logs_the_gold_its_terms_and_the_kl_to_the_base(tin
             base = torch.load(run / "scores_0000.pt", weights_only=True)["reward"][scores["pair"]]
             assert h["gain_reward"] == pytest.approx(float((scores["reward"] - base).mean()))
         assert "gain_gold" in h and "gain_gold_se" in h
-    assert json.loads((run / "record.json").read_text())["args"]["reward"] == "toy-pref"
+    record = json.loads((run / "record.json").read_text())
+    assert record["args"]["reward"] == "toy-pref"
+    for kept in [record["base"], *record["evaluations"]]:  # the proxy's and the gold's per-pair scores, to 4 digits
+        scores = torch.load(run / f"scores_{kept['iteration']:04d}.pt", weights_only=True)
+        for key in ("reward", "gold"):
+            assert kept["scores"][key] == pytest.approx(scores[key].tolist(), abs=5e-5)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2382,6 +2391,27 @@ def probability_of_improvement(x, y):
 def power(s1, s2, n, epsilon, alpha=0.05):
     nu = (s1**2 + s2**2) ** 2 * (n - 1) / (s1**4 + s2**4)
     return float(1 - stats.t.cdf(stats.t.ppf(1 - alpha, nu) - epsilon / np.sqrt((s1**2 + s2**2) / n), nu))
+''',
+    },
+    "04_over_optimisation.ipynb": {
+        "gold_peak": '''
+def gold_peak(record):
+    best = (0, 0.0)
+    for e in record["evaluations"]:
+        if e["gain_gold"] > best[1]:
+            best = (e["iteration"], e["gain_gold"])
+    return best
+''',
+        "agreement": '''
+def agreement(after, before):
+    old = {k: dict(zip(before["pair"], before[k])) for k in ("reward", "gold")}
+    agree = total = 0
+    for p, r, g in zip(after["pair"], after["reward"], after["gold"]):
+        dr, dg = r - old["reward"][p], g - old["gold"][p]
+        if dr and dg:
+            total += 1
+            agree += (dr > 0) == (dg > 0)
+    return agree / total
 ''',
     },
     "02_credit_assignment_side_by_side.ipynb": {
@@ -2465,6 +2495,7 @@ def run_notebook(name: str) -> tuple[list[str], list[str]]:
 
 
 COMMITTED_RECORDS = HERE / "assets" / "comparison"
+COMMITTED_PREFERENCE = HERE / "assets" / "preference"
 # each label's strict gains, in sixths (the first j of the six categories right, the base none right), seeds 0-2
 SYNTHETIC_SIXTHS = {"flow_grpo": [1, 2, 1], "stepwise": [2, 2, 3], "tempflow": [2, 3, 5], "g2rpo": [1, 1, 2],
                     "chunk": [3, 4, 2], "g2rpo:granularities=1": [0, 1, 1], "chunk:chunks=paper": [2, 4, 3]}
@@ -2669,3 +2700,76 @@ def test_notebook_03_computes_a_method_s_interval_and_the_family_s_holm_adjusted
     row = next(line for line in text.splitlines() if line.startswith("| tempflow − flow_grpo | iteration 3 |"))
     value, low, high = map(float, re.search(r"\| ([\d.]+) \[([\d.]+), ([\d.]+)\] \| 3 of 3 \|$", row).groups())
     assert value == round(8.5 / 9, 2) and high == 1.0 and 0.5 <= low <= value
+
+
+# notebook 04: the preference world's runs, on records with known gold curves
+
+PREF_SLOPE = {"stepwise": 0.2, "tempflow": 0.3, "g2rpo": 0.1, "chunk": 0.25}  # a method's gold gain at its end
+
+
+def pref_gold(method, beta, seed, i):
+    """The synthetic gold gain at iteration i: Flow-GRPO at beta 0 peaks at 32, 0.4 (i/32) e^(1 - i/32), and falls;
+    at beta 0.004 it rises, 0.3 (1 - e^(-i/32)); the other methods rise linearly to their PREF_SLOPE at their
+    default length. Seeds add 0.01 a seed (Flow-GRPO) or 0.02 a seed (the others)."""
+    if method == "flow_grpo":
+        shape = 0.4 * i / 32 * math.exp(1 - i / 32) if beta == 0 else 0.3 * (1 - math.exp(-i / 32))
+        return shape + 0.01 * seed
+    return PREF_SLOPE[method] * i / fgc.METHOD_DEFAULTS[method]["iterations"] + 0.02 * seed
+
+
+def synthetic_preference(folder: Path) -> Path:
+    """A preference folder (notebook 04's) with 2 held-out pairs a category: every 8 iterations an evaluation of one
+    pair a category, at the end of all twelve; each evaluation shifts every pair's gold by pref_gold and its proxy
+    by 0.001 an iteration. Flow-GRPO runs 128 iterations at beta 0 (seeds 0-2) and 0.004 (seeds 0-1); the other
+    methods their default lengths on seeds 0-2."""
+    args = dataclasses.asdict(fgc.Args(eval_per_tag=2, reward="toy-pref", eval_kl=True))
+    base_gold, base_proxy = [p / 12 for p in range(12)], [p / 24 for p in range(12)]
+
+    def evaluation(i, gold, pairs):
+        return {"iteration": i, "eval_kl": (i / 64) ** 2, "gain_reward": 0.001 * i, "gain_gold": gold,
+                "gain_gold_se": 0.01, "gain_strict": 0.1, "eval_extra": 0.2, "eval_missing": 0.1,
+                "scores": {"pair": pairs, "reward": [base_proxy[p] + 0.001 * i for p in pairs],
+                           "gold": [base_gold[p] + gold for p in pairs]}}
+
+    folder.mkdir(parents=True)
+    (folder / "base.json").write_text(json.dumps(evaluation(0, 0.0, list(range(12))) | {"eval_extra": 0.3}))
+    runs = [("flow_grpo", 0, s, 128) for s in range(3)] + [("flow_grpo", 0.004, s, 128) for s in range(2)]
+    runs += [(m, 0, s, fgc.METHOD_DEFAULTS[m]["iterations"]) for m in PREF_SLOPE for s in range(3)]
+    for method, beta, seed, n in runs:
+        evaluations = [evaluation(i, pref_gold(method, beta, seed, i), list(range(12)) if i == n else
+                                  list(range(0, 12, 2))) for i in range(8, n + 1, 8)]
+        record = {"label": method, "seed": seed, "args": args | {"method": method, "beta": beta, "iterations": n},
+                  "iterations": n, "evaluations": evaluations}
+        (folder / f"{method}-beta{beta}-seed{seed}.json").write_text(json.dumps(record))
+    return folder
+
+
+def test_notebook_04_finds_the_kl_that_keeps_the_gold_and_the_methods_gains_as_worked_out_here(tmp_path, monkeypatch):
+    """On records with known gold curves: each KL strength's peak and end gold gain, with Student's interval over the
+    seeds and whether the end keeps 90% of the peak; each method's mean gold gain at its end; and each method's mean
+    paired gold difference from Flow-GRPO at its end, on Flow-GRPO's pairs there."""
+    import nbformat
+    from nbclient import NotebookClient
+    from scipy import stats
+
+    monkeypatch.setenv("FGC_PREFERENCE", str(synthetic_preference(tmp_path / "preference")))
+    nb = nbformat.read(HERE / "notebooks" / "04_over_optimisation.ipynb", as_version=4)
+    nb.cells = [c for c in nb.cells if not {"exercise", "check"} & set(c.metadata.get("tags", []))]
+    nb.cells = nb.cells[:next(i for i, c in enumerate(nb.cells) if c.source.startswith("## Exercises"))]
+    NotebookClient(nb, kernel_name="python3", timeout=600, resources={"metadata": {"path": str(HERE / "notebooks")}}
+                   ).execute()
+    text = (tmp_path / "preference.md").read_text()
+    assert (tmp_path / "preference_overoptimisation.png").exists() and (tmp_path / "preference_methods.png").exists()
+    for beta, seeds, peak_at, keeps in [(0, 3, 32, "no"), (0.004, 2, 128, "yes")]:
+        peak, end = (np.array([pref_gold("flow_grpo", beta, s, i) for s in range(seeds)]) for i in (peak_at, 128))
+        half = stats.t.ppf(0.975, seeds - 1) * end.std(ddof=1) / math.sqrt(seeds)
+        row = (f"| {beta} | {seeds} | {peak.mean():+.3f} ({peak_at}) | {end.mean():+.3f} (128) "
+               f"[{end.mean() - half:+.3f}, {end.mean() + half:+.3f}] | {end.mean() / peak.mean():.2f} | {keeps} "
+               f"| {128 / 64:.2f} | {0.001 * 128:+.3f} |")  # synthetic_preference's KL (i / 64)^2 and proxy
+        assert row in text, row
+    for method, slope in PREF_SLOPE.items():
+        gold = slope + 0.02  # the mean of 0, 0.02 and 0.04
+        assert f"| {method} | 3 | {0.001 * fgc.METHOD_DEFAULTS[method]['iterations']:+.3f} | {gold:+.3f} [" in text
+        end = fgc.METHOD_DEFAULTS[method]["iterations"]
+        difference = np.mean([pref_gold(method, 0, s, end) - pref_gold("flow_grpo", 0, s, end) for s in range(3)])
+        assert f"| {method} | 3 | {difference:+.3f} | 0.010 |" in text, method
