@@ -1640,8 +1640,8 @@ def per_pair(scores: dict, args: Args) -> dict:
     toy, pref = "strict" in scores, reward_spec(args) == "toy-pref"
     counts = ("pair", "strict", "geneval", "extra", "missing") if toy else ("pair",)
     floats = ("reward", "gold") if pref else () if toy else ("reward",)
-    return {k: scores[k].int().tolist() for k in counts} | {k: [round(x, 4) for x in scores[k].tolist()]
-                                                             for k in floats}
+    kept = {k: scores[k].int().tolist() for k in counts}
+    return kept | {k: [round(x, 4) for x in scores[k].tolist()] for k in floats}
 
 
 # ----------------------------------------------------------------------------------------------------
