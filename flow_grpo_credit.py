@@ -147,7 +147,7 @@ class Args:
     resolution: int = 512  # image size of a real model (the toy world is 16 px)
     dtype: str = "auto"  # fp32 or bf16 weights of a real model (auto: bf16 on CUDA); the SDE math stays fp32
     low_memory: bool = False  # real models, the 24 GB recipe: gradient checkpointing, text encoders on the CPU
-    micro_batch: int = 0  # samples per pass in sampling, training, reward, evaluation (0: all on toy, 4 on real models)
+    micro_batch: int = 0  # samples a pass in sampling, training, reward, evaluation (0: toy all, sampling 128; real: 4)
     iterations: int = 0  # GRPO iterations (sample, score, update); 0: the method's default (~5 toy minutes)
     prompts_per_iter: int = 8  # prompts sampled per iteration
     group_size: int = 8  # images (or branches) that share one advantage normalisation
@@ -685,7 +685,7 @@ def rollout(policy, cond: dict, x: torch.Tensor, times: torch.Tensor, stochastic
     b = x.shape[0]
     times = times.expand(b, -1).to(x.device)  # (B, S+1)
     states, steps = [x], []
-    batches = torch.arange(b, device=x.device).split(args.micro_batch or b)  # forward passes of micro_batch samples
+    batches = torch.arange(b, device=x.device).split(args.micro_batch or 128)  # 0: 128, on a CPU faster than more
     for k in range(times.shape[1] - 1):
         t, t_next = times[:, k], times[:, k + 1]
         if k == 0 and v_first is not None:
