@@ -2338,11 +2338,14 @@ def test_the_shipped_proxy_orders_held_out_pairs_of_base_samples_as_the_gold_doe
 
 def test_the_proxy_recipe_writes_a_folder_under_1_mb_that_the_script_scores_as_the_recipe_did(tmp_path):
     """notebooks/toy_pref.py at a tiny size: its weights stay under 1 MB, its own check passes (the held-out scores
-    through the script's clip_reward equal those of the model it trained), --reward pickscore --reward-model FOLDER
-    loads the folder, and a folder that exists is refused."""
+    through the script's clip_reward equal those of the model it trained), its model's config is the shipped one's
+    (no path of the machine that made it), --reward pickscore --reward-model FOLDER loads the folder, and a folder
+    that exists is refused."""
     recipe = notebook_module("toy_pref")
     out = tmp_path / "proxy"
     assert recipe.main(["--out", str(out), "--prompts", "40", "--heldout-per-tag", "2", "--epochs", "1"]) == 0
+    made, shipped = (json.loads((folder / "config.json").read_text()) for folder in (out, TOY_PREF))
+    assert {**made, "transformers_version": None} == {**shipped, "transformers_version": None}
     report = json.loads((out / "report.json").read_text())
     assert report["weights_bytes"] == (out / "model.safetensors").stat().st_size <= 1_000_000
     assert (report["train_pairs"], report["val_pairs"], report["heldout_pairs"]) == (36, 4, 12)
