@@ -197,7 +197,7 @@ class Args:
     chunk_fraction: float = 1.0  # chunk: fraction of chunks trained per trajectory
 
     checkpoint_every: int = 10  # write checkpoint.pt every N iterations (and at the end); --run FOLDER resumes it
-    max_nonfinite: int = 3  # stop after this many iterations in a row with non-finite rewards, advantages or loss
+    max_nonfinite: int = 3  # stop after this many iterations in a row with non-finite rewards, advantages or gradient
 
     @property
     def sde_level(self) -> float:
@@ -652,7 +652,7 @@ def step_stds(grid: torch.Tensor, args: Args) -> torch.Tensor:
 
 def trainable_steps(grid: torch.Tensor, args: Args) -> torch.Tensor:
     """(S,) bool: not the last step, as Flow-GRPO trains 0..S-2, and a std of at least `min_std` times the median
-    stochastic step's: a near-deterministic step's log-prob gradient (1 / std) is ~100 times the median's, outweighs
+    stochastic step's: a near-deterministic step's log-prob gradient (1 / std) is 30 to 80 times the median's, outweighs
     every step and swings the ratio past any clip, moving the image by under a pixel."""
     stds, n_steps = step_stds(grid, args), len(grid) - 1
     floor = args.min_std * stds[stds > 0].median()
