@@ -1222,10 +1222,12 @@ def test_moving_average_warms_up_as_flow_grpo_and_ema_applied_restores_the_live_
         off.step([p])
     torch.testing.assert_close(off.shadow_params[0], values[2])
     args, run, _ = tiny_run
+
+    def settings(state):  # an EMAModel's state without its values and its step count
+        return {k: v for k, v in state.items() if k not in ("shadow_params", "optimization_step")}
+
     saved = torch.load(run / "checkpoint.pt", weights_only=True)["ema"]
-    checked = EMAModel([p], decay=args.ema).state_dict()
-    assert {k: saved[k] for k in checked if k not in ("shadow_params", "optimization_step")} == \
-        {k: v for k, v in checked.items() if k not in ("shadow_params", "optimization_step")}
+    assert settings(saved) == settings(EMAModel([p], decay=args.ema).state_dict())
 
 
 def test_every_method_has_a_default_run_length_and_lr_and_a_flag_given_keeps_its_value():
@@ -1666,7 +1668,7 @@ def test_benchmark_counts_the_work_of_one_iteration_and_splits_its_time_into_pha
     """The benchmark times one iteration after a warm-up: its counts are those of one iteration of the method
     (passes of sampling and training, images, and the transitions update() trained: one group had equal rewards, so
     only the other's),
-    the reward's seconds are taken out of sampling's, and the phases add up to the total."""
+    and the reward's seconds are taken out of sampling's."""
     def slow_reward(images, metas, penalty):  # two seconds a call: far more than this tiny sampling takes
         time.sleep(2.0)
         return first_group_flat(images, metas, penalty)
@@ -2367,6 +2369,7 @@ def test_a_run_under_toy_pref_logs_the_gold_its_terms_and_the_kl_to_the_base(tin
     history = fgc.train(args)
     run = next(tmp_path.iterdir())
     evals = [h for h in history if "eval_overall" in h]
+    base, held_out = torch.load(run / "scores_0000.pt", weights_only=True), fgc.eval_prompts(args.eval_per_tag)
     assert [h["iteration"] for h in evals] == [0, 1, 2]
     assert evals[0]["eval_kl"] == 0 and evals[-1]["eval_kl"] > 0
     for h in evals:
@@ -2378,8 +2381,7 @@ def test_a_run_under_toy_pref_logs_the_gold_its_terms_and_the_kl_to_the_base(tin
         assert h["eval_taste"] == pytest.approx(float(scores["taste"].mean()))
         assert h["eval_missing"] == pytest.approx(float((scores["missing"] > 0).float().mean()))
         assert h["eval_reward"] == pytest.approx(float(scores["reward"].mean()))
-        base = torch.load(run / "scores_0000.pt", weights_only=True)
-        tags = [fgc.eval_prompts(args.eval_per_tag)[i]["tag"] for i in scores["pair"].tolist()]
+        tags = [held_out[i]["tag"] for i in scores["pair"].tolist()]
         for key in ("reward", "gold"):  # the proxy's and the gold's gains, paired on the evaluation's pairs
             diff = (scores[key] - base[key][scores["pair"]]).double()
             per_tag = [diff[[i for i, t in enumerate(tags) if t == tag]] for tag in dict.fromkeys(tags)]
@@ -2667,11 +2669,11 @@ def test_comparison_md_and_the_readme_show_each_label_s_gain_and_each_test_of_th
             d[t] = sides[t][0] - sides[t][1]
             where[t] = f"iteration {point}" if t[2] == "iterations" else f"{budget:,} passes"
     assert len(differences.splitlines()) == len(d) + 2, "a row for each test whose sides share two seeds or more"
+    t_of = lambda n: stats.t.ppf(1 - 0.025 / len(FAMILY), n - 1)  # noqa: E731  the family's Bonferroni level
     for t, (start, rest) in family_rows(d, where).items():
         line = next(line for line in differences.splitlines() if line.startswith(start))
         # then the seeds at which this spread gives +-0.03 at the family's level, the share of (method seed,
         # reference seed) pairs the method wins (ties half: rliable's probability of improvement), and the wins
-        t_of = lambda n: stats.t.ppf(1 - 0.025 / len(FAMILY), n - 1)  # noqa: E731
         needed = next(n for n in range(2, 1000) if t_of(n) * d[t].std(ddof=1) / math.sqrt(n) <= 0.03)
         x, y = sides[t]
         poi = np.mean([(a > b) + 0.5 * (a == b) for a in x for b in y])
