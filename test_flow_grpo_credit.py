@@ -2731,6 +2731,10 @@ def test_notebook_03_computes_a_method_s_interval_and_the_family_s_holm_adjusted
     NotebookClient(nb, kernel_name="python3", timeout=600, resources={"metadata": {"path": str(HERE / "notebooks")}}
                    ).execute()
     text = (tmp_path / "comparison.md").read_text()
+
+    def line_starting(start):  # the table row of comparison.md that begins so
+        return next(line for line in text.splitlines() if line.startswith(start))
+
     gains = np.array(SYNTHETIC_SIXTHS["tempflow"]) / 6  # 2/6, 3/6, 5/6
     half = 4.303 * gains.std(ddof=1) / math.sqrt(3)  # Student's t of 2 degrees of freedom, 97.5%
     low, high = gains.mean() - half, gains.mean() + half
@@ -2741,17 +2745,17 @@ def test_notebook_03_computes_a_method_s_interval_and_the_family_s_holm_adjusted
              for t in FAMILY}
     rows = family_rows({t: sixths[t[0]] - sixths[t[1]] for t in FAMILY}, where)
     for t, (start, rest) in rows.items():
-        assert rest in next(line for line in text.splitlines() if line.startswith(start)), t
+        assert rest in line_starting(start), t
+    # training minutes: 30 s an iteration, the paused stretch aside, not the record's 60 seconds; each CPU its own
+    # median, in the order of their names ("slow cpu", then "test"), "–" where a label has no run on one
+    assert f"| {0.5 * 3:.1f} |" in line_starting("| tempflow | 0 | 3 |")
+    assert "minutes (slow cpu / test) |" in text
+    assert line_starting("| tempflow | 3 |").endswith("| 3.0 / 1.5 |")
+    assert line_starting("| stepwise | 3 |").endswith("| – / 1.0 |")
     # rliable's probability of improvement, over all pairs of runs: tempflow's 2, 3, 5 sixths beat Flow-GRPO's 1, 2, 1
     # in 8 of the 9 pairs and tie in one (8.5 / 9). Its bootstrap interval reaches 1 (in over half the resamples every
     # tempflow run beats every Flow-GRPO run) and cannot fall below 0.5 (the resample of 2 sixths on both sides)
-    # training minutes: 30 s an iteration, the paused stretch aside, not the record's 60 seconds; each CPU its own
-    # median, in the order of their names ("slow cpu", then "test"), "–" where a label has no run on one
-    assert f"| {0.5 * 3:.1f} |" in next(line for line in text.splitlines() if line.startswith("| tempflow | 0 | 3 |"))
-    assert "minutes (slow cpu / test) |" in text
-    assert next(line for line in text.splitlines() if line.startswith("| tempflow | 3 |")).endswith("| 3.0 / 1.5 |")
-    assert next(line for line in text.splitlines() if line.startswith("| stepwise | 3 |")).endswith("| – / 1.0 |")
-    row = next(line for line in text.splitlines() if line.startswith("| tempflow − flow_grpo | iteration 3 |"))
+    row = line_starting("| tempflow − flow_grpo | iteration 3 |")
     value, low, high = map(float, re.search(r"\| ([\d.]+) \[([\d.]+), ([\d.]+)\] \| 3 of 3 \|$", row).groups())
     assert value == round(8.5 / 9, 2) and high == 1.0 and 0.5 <= low <= value
 
