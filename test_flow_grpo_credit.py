@@ -2767,19 +2767,20 @@ PREF_SLOPE = {"stepwise": 0.2, "tempflow": 0.3, "g2rpo": 0.1, "chunk": 0.25}  # 
 
 def pref_gold(method, beta, seed, i):
     """The synthetic gold gain at iteration i: Flow-GRPO at beta 0 peaks at 32, 0.4 (i/32) e^(1 - i/32), and falls;
-    at beta 0.004 it rises, 0.3 (1 - e^(-i/32)); the other methods rise linearly to their PREF_SLOPE at their
-    default length. Seeds add 0.01 a seed (Flow-GRPO) or 0.02 a seed (the others)."""
+    at beta 0.004 it rises, 0.3 (1 - e^(-i/32)); at beta 0.04 it only falls, -0.1 i/128, never above the base; the
+    other methods rise linearly to their PREF_SLOPE at their default length. Seeds add 0.01 a seed (Flow-GRPO) or
+    0.02 a seed (the others)."""
     if method == "flow_grpo":
-        shape = 0.4 * i / 32 * math.exp(1 - i / 32) if beta == 0 else 0.3 * (1 - math.exp(-i / 32))
-        return shape + 0.01 * seed
+        shapes = {0: 0.4 * i / 32 * math.exp(1 - i / 32), 0.004: 0.3 * (1 - math.exp(-i / 32)), 0.04: -0.1 * i / 128}
+        return shapes[beta] + 0.01 * seed
     return PREF_SLOPE[method] * i / fgc.METHOD_DEFAULTS[method]["iterations"] + 0.02 * seed
 
 
 def synthetic_preference(folder: Path) -> Path:
     """A preference folder (notebook 04's) with 2 held-out pairs a category: every 8 iterations an evaluation of one
     pair a category, at the end of all twelve; each evaluation shifts every pair's gold by pref_gold and its proxy
-    by 0.001 an iteration. Flow-GRPO runs 128 iterations at beta 0 (seeds 0-2) and 0.004 (seeds 0-1); the other
-    methods their default lengths on seeds 0-2."""
+    by 0.001 an iteration. Flow-GRPO runs 128 iterations at beta 0 (seeds 0-2), 0.004 and 0.04 (seeds 0-1); the
+    other methods their default lengths on seeds 0-2."""
     args = dataclasses.asdict(fgc.Args(eval_per_tag=2, reward="toy-pref", eval_kl=True))
     base_gold, base_proxy = [p / 12 for p in range(12)], [p / 24 for p in range(12)]
 
@@ -2791,7 +2792,8 @@ def synthetic_preference(folder: Path) -> Path:
 
     folder.mkdir(parents=True)
     (folder / "base.json").write_text(json.dumps(evaluation(0, 0.0, list(range(12))) | {"eval_extra": 0.3}))
-    runs = [("flow_grpo", 0, s, 128) for s in range(3)] + [("flow_grpo", 0.004, s, 128) for s in range(2)]
+    runs = [("flow_grpo", 0, s, 128) for s in range(3)] + [("flow_grpo", b, s, 128) for b in (0.004, 0.04)
+                                                            for s in range(2)]
     runs += [(m, 0, s, fgc.METHOD_DEFAULTS[m]["iterations"]) for m in PREF_SLOPE for s in range(3)]
     for method, beta, seed, n in runs:
         evaluations = [evaluation(i, pref_gold(method, beta, seed, i), list(range(12)) if i == n else
@@ -2818,11 +2820,14 @@ def test_notebook_04_finds_the_kl_that_keeps_the_gold_and_the_methods_gains_as_w
                    ).execute()
     text = (tmp_path / "preference.md").read_text()
     assert (tmp_path / "preference_overoptimisation.png").exists() and (tmp_path / "preference_methods.png").exists()
-    for beta, seeds, peak_at, keeps in [(0, 3, 32, "no"), (0.004, 2, 128, "yes")]:
-        peak, end = (np.array([pref_gold("flow_grpo", beta, s, i) for s in range(seeds)]) for i in (peak_at, 128))
+    # a gold that never rises above the base peaks at the base, iteration 0, a gain of 0: it has no end/peak share
+    for beta, seeds, peak_at, keeps in [(0, 3, 32, "no"), (0.004, 2, 128, "yes"), (0.04, 2, 0, "no")]:
+        peak, end = (np.array([pref_gold("flow_grpo", beta, s, i) if i else 0.0 for s in range(seeds)])
+                     for i in (peak_at, 128))
         half = stats.t.ppf(0.975, seeds - 1) * end.std(ddof=1) / math.sqrt(seeds)
+        share = f"{end.mean() / peak.mean():.2f}" if peak_at else "–"
         row = (f"| {beta} | {seeds} | {peak.mean():+.3f} ({peak_at}) | {end.mean():+.3f} (128) "
-               f"[{end.mean() - half:+.3f}, {end.mean() + half:+.3f}] | {end.mean() / peak.mean():.2f} | {keeps} "
+               f"[{end.mean() - half:+.3f}, {end.mean() + half:+.3f}] | {share} | {keeps} "
                f"| {128 / 64:.2f} | {0.001 * 128:+.3f} |")  # synthetic_preference's KL (i / 64)^2 and proxy
         assert row in text, row
     for method, slope in PREF_SLOPE.items():
