@@ -2792,8 +2792,8 @@ def synthetic_preference(folder: Path) -> Path:
 
     folder.mkdir(parents=True)
     (folder / "base.json").write_text(json.dumps(evaluation(0, 0.0, list(range(12))) | {"eval_extra": 0.3}))
-    runs = [("flow_grpo", 0, s, 128) for s in range(3)] + [("flow_grpo", b, s, 128) for b in (0.004, 0.04)
-                                                            for s in range(2)]
+    runs = [("flow_grpo", 0, s, 128) for s in range(3)]
+    runs += [("flow_grpo", b, s, 128) for b in (0.004, 0.04) for s in range(2)]
     runs += [(m, 0, s, fgc.METHOD_DEFAULTS[m]["iterations"]) for m in PREF_SLOPE for s in range(3)]
     for method, beta, seed, n in runs:
         evaluations = [evaluation(i, pref_gold(method, beta, seed, i), list(range(12)) if i == n else
