@@ -48,6 +48,7 @@ def benchmark_module():
 
 
 toy_base = notebook_module("toy_base")
+solutions = notebook_module("solutions")  # the notebooks' exercises solved, and the wrong answers they reject
 
 
 # the notebooks, first: notebook 02 is the longest test, and `pytest -n auto` hands tests out in this order
@@ -57,13 +58,19 @@ NOTEBOOKS = ["02_credit_assignment_side_by_side.ipynb", "01_flow_grpo_walkthroug
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_runs_and_its_exercise_checks_fail_as_shipped_and_pass_when_solved(name, tmp_path, monkeypatch):
+def test_notebook_runs_and_its_checks_reject_the_stub_the_shortcut_and_wrong_answers_and_pass_when_solved(
+        name, tmp_path, monkeypatch):
     if name.startswith("03"):  # on a copy of the committed records, so that its comparison.md and figures go there
         monkeypatch.setenv("FGC_COMPARISON", str(shutil.copytree(COMMITTED_RECORDS, tmp_path / "comparison")))
     if name.startswith("04"):  # likewise, its preference.md and figures
         monkeypatch.setenv("FGC_PREFERENCE", str(shutil.copytree(COMMITTED_PREFERENCE, tmp_path / "preference")))
-    shipped, solved = run_notebook(name)
+    for exercise, solved_by in solutions.SOLUTIONS[name].items():  # every exercise: the shortcut and a wrong answer
+        assert any(w.startswith("shortcut") for w in solved_by.wrong), f"{exercise}: no library shortcut to reject"
+        assert any(not w.startswith("shortcut") for w in solved_by.wrong), f"{exercise}: no wrong answer to reject"
+    shipped, wrong, solved = run_notebook(name)
     assert all("✗" in out and "✓" not in out for out in shipped), shipped
+    for (exercise, what), out in wrong.items():
+        assert "✗" in out, f"{name} {exercise}: the check accepts {what}: {out}"
     assert all("✓" in out and "✗" not in out for out in solved), solved
 
 
@@ -2401,114 +2408,11 @@ def test_a_run_under_toy_pref_logs_the_gold_its_terms_and_the_kl_to_the_base(tin
 # notebooks: each runs top to bottom as shipped, and its exercise checks can both fail and pass
 
 
-NOTEBOOK_SOLUTIONS = {  # reference solutions of the exercise cells, by the cell's "exercise" metadata
-    "01_flow_grpo_walkthrough.ipynb": {
-        "group_advantages": '''
-def group_advantages(r, group):
-    out = torch.empty_like(r)
-    for g in torch.unique(group):
-        rg = r[group == g]
-        out[group == g] = (rg - rg.mean()) / (rg.std(unbiased=False) + 1e-4)
-    return out
-''',
-        "kl_per_transition": '''
-def kl_per_transition(tr):
-    cond = ctx.cond_of(tr.prompt)
-    v = policy.velocity(tr.x, tr.t, cond)
-    with fgc.adapter_disabled(policy.net):
-        v_ref = policy.velocity(tr.x, tr.t, cond)
-    mean = fgc.sde_step(tr.x, v, tr.t, tr.t_next, noise_level=args.sde_level, prev_sample=tr.x_next)[2]
-    mean_ref = fgc.sde_step(tr.x, v_ref, tr.t, tr.t_next, noise_level=args.sde_level, prev_sample=tr.x_next)[2]
-    return ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * tr.std**2)
-''',
-    },
-    "03_head_to_head.ipynb": {
-        "probability_of_improvement": '''
-def probability_of_improvement(x, y):
-    wins = (x[:, None] > y[None, :]).sum() + 0.5 * (x[:, None] == y[None, :]).sum()
-    return float(wins / (len(x) * len(y)))
-''',
-        "power": '''
-def power(s1, s2, n, epsilon, alpha=0.05):
-    nu = (s1**2 + s2**2) ** 2 * (n - 1) / (s1**4 + s2**4)
-    return float(1 - stats.t.cdf(stats.t.ppf(1 - alpha, nu) - epsilon / np.sqrt((s1**2 + s2**2) / n), nu))
-''',
-    },
-    "04_over_optimisation.ipynb": {
-        "gold_peak": '''
-def gold_peak(record):
-    best = (0, 0.0)
-    for e in record["evaluations"]:
-        if e["gain_gold"] > best[1]:
-            best = (e["iteration"], e["gain_gold"])
-    return best
-''',
-        "agreement": '''
-def agreement(after, before):
-    old = {k: dict(zip(before["pair"], before[k])) for k in ("reward", "gold")}
-    agree = total = 0
-    for p, r, g in zip(after["pair"], after["reward"], after["gold"]):
-        dr, dg = r - old["reward"][p], g - old["gold"][p]
-        if dr and dg:
-            total += 1
-            agree += (dr > 0) == (dg > 0)
-    return agree / total
-''',
-    },
-    "02_credit_assignment_side_by_side.ipynb": {
-        "per_step_advantages": '''
-def per_step_advantages(ctx, r, prompt):
-    gains = r[:, 1:] - r[:, :-1]  # (B*G, S)
-    s = gains.shape[1]
-    group = prompt[:, None] * s + torch.arange(s)  # one group per (prompt, step)
-    return ctx.advantages(gains.flatten(), group.flatten()).view_as(gains)
-''',
-        "tempflow_weights": '''
-def tempflow_weights(grid, args):
-    stds = fgc.step_stds(grid, args)
-    return stds / stds[fgc.trainable_steps(grid, args)].mean()
-''',
-        "chunk_ids": '''
-def step_chunks(tr):
-    return torch.arange(len(tr))
-
-
-def sequence_chunks(tr):
-    return torch.arange(len(tr)) // n_trained
-''',
-        "sde_window": '''
-WINDOW = 3
-
-
-def sde_window(ctx):
-    b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
-    allowed = torch.nonzero(ctx.trainable).flatten()
-    start = int(allowed[torch.randint(len(allowed) - WINDOW + 1, (1,), generator=ctx.shared_gen)])
-    window = (torch.arange(n_steps) >= start) & (torch.arange(n_steps) < start + WINDOW)
-    prompt = fgc.repeat(torch.arange(b), g)
-    traj = ctx.sample(prompt, fgc.initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, window.tolist())
-    r = ctx.reward(traj.states[:, -1], prompt)
-    adv = ctx.advantages(r, prompt)[:, None]
-    return fgc.transitions_from(traj, prompt, adv, window & ctx.trainable), r
-''',
-        "prediction": '''
-prediction = {"ratio_first": {1: 1.0, 8: 1.0}, "clipfrac_first": {1: 0.0, 8: 0.0}, "clips_more": 8}
-''',
-        "member_noise": '''
-def member_noise(ctx):
-    return fgc.initial_noise(ctx.policy, len(ctx.metas) * ctx.group_size, ctx.gen)
-
-
-answer = "B"
-''',
-    },
-}
-
-
-def run_notebook(name: str) -> tuple[list[str], list[str]]:
-    """Execute notebooks/<name> top to bottom as shipped (a cell error raises CellExecutionError),
-    then, in the same kernel, every cell from its first exercise to the end again with the reference
-    solutions in place of the exercise cells. Returns what each check cell printed, as shipped and solved."""
+def run_notebook(name: str) -> tuple[list[str], dict[tuple[str, str], str], list[str]]:
+    """Execute notebooks/<name> top to bottom as shipped (a cell error raises CellExecutionError); then, in the same
+    kernel, each exercise cell and its checks with each wrong answer of notebooks/solutions.py in place of the
+    exercise; then every cell from the first exercise to the end with the solutions in place of the exercises.
+    Returns what the check cells printed: as shipped, with each (exercise, wrong answer), and solved."""
     import nbformat
     from nbclient import NotebookClient
 
@@ -2516,23 +2420,36 @@ def run_notebook(name: str) -> tuple[list[str], list[str]]:
     nb = nbformat.read(folder / name, as_version=4)
     exercises = [i for i, c in enumerate(nb.cells) if "exercise" in c.metadata.get("tags", [])]
     checks = [i for i, c in enumerate(nb.cells) if "check" in c.metadata.get("tags", [])]
-    solutions = NOTEBOOK_SOLUTIONS[name]
-    assert checks and {nb.cells[i].metadata["exercise"] for i in exercises} == set(solutions)
+    by_name = solutions.SOLUTIONS[name]
+    assert checks and {nb.cells[i].metadata["exercise"] for i in exercises} == set(by_name)
 
-    def printed():
-        return ["".join(o.get("text", "") for o in nb.cells[i].outputs) for i in checks]
+    def printed(cells):
+        return ["".join(o.get("text", "") for o in nb.cells[i].outputs) for i in cells]
 
     client = NotebookClient(nb, kernel_name="python3", timeout=900, resources={"metadata": {"path": str(folder)}})
     with client.setup_kernel():
         for i, cell in enumerate(nb.cells):
             client.execute_cell(cell, i)
-        shipped = printed()
+        shipped, wrong = printed(checks), {}
+
+        def with_exercise(i: int, source: str) -> str:  # exercise cell i as `source`, then its checks: their output
+            its_checks = list(itertools.takewhile(lambda j: j in checks, range(i + 1, len(nb.cells))))
+            nb.cells[i].source = source
+            for j in [i, *its_checks]:
+                client.execute_cell(nb.cells[j], j)
+            return "".join(printed(its_checks))
+
+        for i in exercises:
+            exercise = nb.cells[i].metadata["exercise"]
+            for what, source in by_name[exercise].wrong.items():
+                wrong[exercise, what] = with_exercise(i, source)
+            with_exercise(i, by_name[exercise].solution)  # a correct state again for the next exercise
         for i in range(exercises[0], len(nb.cells)):
             if i in exercises:
-                nb.cells[i].source = solutions[nb.cells[i].metadata["exercise"]]
+                nb.cells[i].source = by_name[nb.cells[i].metadata["exercise"]].solution
             client.execute_cell(nb.cells[i], i)
-        solved = printed()
-    return shipped, solved
+        solved = printed(checks)
+    return shipped, wrong, solved
 
 
 COMMITTED_RECORDS = HERE / "assets" / "comparison"

@@ -1,0 +1,160 @@
+"""The notebooks' exercises solved, and the wrong answers their checks must reject.
+
+A course that hands students the repository leaves this file out: nothing but the tests imports it (`python -m pytest
+-k wrong_answers` runs them). An exercise cell is tagged "exercise" and names itself in its "exercise" metadata; the
+cells tagged "check" right after it are its checks. For each exercise:
+    solution  the source of a correct exercise cell: every check prints ✓;
+    wrong     {what it is: source}: the library shortcut (a name starting "shortcut", the function of `fgc` or of the
+              notebook that the exercise asks the student to write) and the wrong answers students most likely
+              write; for each, the exercise's checks print ✗.
+"""
+from typing import NamedTuple
+
+
+class Exercise(NamedTuple):
+    solution: str
+    wrong: dict[str, str]
+
+
+# ----------------------------------------------------------------------------------------------------
+# 01_flow_grpo_walkthrough.ipynb
+
+NB01 = {
+    "group_advantages": Exercise(
+        solution='''
+def group_advantages(r, group):
+    out = torch.empty_like(r)
+    for g in torch.unique(group):
+        rg = r[group == g]
+        out[group == g] = (rg - rg.mean()) / (rg.std(unbiased=False) + 1e-4)
+    return out
+''',
+        wrong={}),
+    "kl_per_transition": Exercise(
+        solution='''
+def kl_per_transition(tr):
+    cond = ctx.cond_of(tr.prompt)
+    v = policy.velocity(tr.x, tr.t, cond)
+    with fgc.adapter_disabled(policy.net):
+        v_ref = policy.velocity(tr.x, tr.t, cond)
+    mean = fgc.sde_step(tr.x, v, tr.t, tr.t_next, noise_level=args.sde_level, prev_sample=tr.x_next)[2]
+    mean_ref = fgc.sde_step(tr.x, v_ref, tr.t, tr.t_next, noise_level=args.sde_level, prev_sample=tr.x_next)[2]
+    return ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * tr.std**2)
+''',
+        wrong={}),
+}
+
+# ----------------------------------------------------------------------------------------------------
+# 02_credit_assignment_side_by_side.ipynb
+
+NB02 = {
+    "per_step_advantages": Exercise(
+        solution='''
+def per_step_advantages(ctx, r, prompt):
+    gains = r[:, 1:] - r[:, :-1]  # (B*G, S)
+    s = gains.shape[1]
+    group = prompt[:, None] * s + torch.arange(s)  # one group per (prompt, step)
+    return ctx.advantages(gains.flatten(), group.flatten()).view_as(gains)
+''',
+        wrong={}),
+    "tempflow_weights": Exercise(
+        solution='''
+def tempflow_weights(grid, args):
+    stds = fgc.step_stds(grid, args)
+    return stds / stds[fgc.trainable_steps(grid, args)].mean()
+''',
+        wrong={}),
+    "chunk_ids": Exercise(
+        solution='''
+def step_chunks(tr):
+    return torch.arange(len(tr))
+
+
+def sequence_chunks(tr):
+    return torch.arange(len(tr)) // n_trained
+''',
+        wrong={}),
+    "sde_window": Exercise(
+        solution='''
+WINDOW = 3
+
+
+def sde_window(ctx):
+    b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
+    allowed = torch.nonzero(ctx.trainable).flatten()
+    start = int(allowed[torch.randint(len(allowed) - WINDOW + 1, (1,), generator=ctx.shared_gen)])
+    window = (torch.arange(n_steps) >= start) & (torch.arange(n_steps) < start + WINDOW)
+    prompt = fgc.repeat(torch.arange(b), g)
+    traj = ctx.sample(prompt, fgc.initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, window.tolist())
+    r = ctx.reward(traj.states[:, -1], prompt)
+    adv = ctx.advantages(r, prompt)[:, None]
+    return fgc.transitions_from(traj, prompt, adv, window & ctx.trainable), r
+''',
+        wrong={}),
+    "prediction": Exercise(
+        solution='''
+prediction = {"ratio_first": {1: 1.0, 8: 1.0}, "clipfrac_first": {1: 0.0, 8: 0.0}, "clips_more": 8}
+''',
+        wrong={}),
+    "member_noise": Exercise(
+        solution='''
+def member_noise(ctx):
+    return fgc.initial_noise(ctx.policy, len(ctx.metas) * ctx.group_size, ctx.gen)
+
+
+answer = "B"
+''',
+        wrong={}),
+}
+
+# ----------------------------------------------------------------------------------------------------
+# 03_head_to_head.ipynb
+
+NB03 = {
+    "probability_of_improvement": Exercise(
+        solution='''
+def probability_of_improvement(x, y):
+    wins = (x[:, None] > y[None, :]).sum() + 0.5 * (x[:, None] == y[None, :]).sum()
+    return float(wins / (len(x) * len(y)))
+''',
+        wrong={}),
+    "power": Exercise(
+        solution='''
+def power(s1, s2, n, epsilon, alpha=0.05):
+    nu = (s1**2 + s2**2) ** 2 * (n - 1) / (s1**4 + s2**4)
+    return float(1 - stats.t.cdf(stats.t.ppf(1 - alpha, nu) - epsilon / np.sqrt((s1**2 + s2**2) / n), nu))
+''',
+        wrong={}),
+}
+
+# ----------------------------------------------------------------------------------------------------
+# 04_over_optimisation.ipynb
+
+NB04 = {
+    "gold_peak": Exercise(
+        solution='''
+def gold_peak(record):
+    best = (0, 0.0)
+    for e in record["evaluations"]:
+        if e["gain_gold"] > best[1]:
+            best = (e["iteration"], e["gain_gold"])
+    return best
+''',
+        wrong={}),
+    "agreement": Exercise(
+        solution='''
+def agreement(after, before):
+    old = {k: dict(zip(before["pair"], before[k])) for k in ("reward", "gold")}
+    agree = total = 0
+    for p, r, g in zip(after["pair"], after["reward"], after["gold"]):
+        dr, dg = r - old["reward"][p], g - old["gold"][p]
+        if dr and dg:
+            total += 1
+            agree += (dr > 0) == (dg > 0)
+    return agree / total
+''',
+        wrong={}),
+}
+
+SOLUTIONS = {"01_flow_grpo_walkthrough.ipynb": NB01, "02_credit_assignment_side_by_side.ipynb": NB02,
+             "03_head_to_head.ipynb": NB03, "04_over_optimisation.ipynb": NB04}
