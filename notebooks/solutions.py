@@ -110,6 +110,12 @@ answer = "B"
 # ----------------------------------------------------------------------------------------------------
 # 03_head_to_head.ipynb
 
+RESOLVED = '''
+
+spread = results["stepwise", "flow_grpo", "iterations"]["spread"]
+resolved = {n: optimize.brentq(lambda e, n=n: power(spread, n, e) - 0.8, 1e-9, 1.0) for n in (12, 36)}
+'''
+
 NB03 = {
     "probability_of_improvement": Exercise(
         solution='''
@@ -117,14 +123,83 @@ def probability_of_improvement(x, y):
     wins = (x[:, None] > y[None, :]).sum() + 0.5 * (x[:, None] == y[None, :]).sum()
     return float(wins / (len(x) * len(y)))
 ''',
-        wrong={}),
+        wrong={
+            "shortcut: section 2's improvement": '''
+def probability_of_improvement(x, y):
+    return improvement(x, y)[0]
+''',
+            "shortcut: scipy's Mann-Whitney U statistic": '''
+from scipy.stats import mannwhitneyu
+
+
+def probability_of_improvement(x, y):
+    return mannwhitneyu(x, y, alternative="greater").statistic / (len(x) * len(y))
+''',
+            "ties counted 0": '''
+def probability_of_improvement(x, y):
+    return float((x[:, None] > y[None, :]).mean())
+''',
+            "ties counted 1": '''
+def probability_of_improvement(x, y):
+    return float((x[:, None] >= y[None, :]).mean())
+''',
+            "the wrong direction, P(Y > X)": '''
+def probability_of_improvement(x, y):
+    return float((x[:, None] < y[None, :]).mean() + 0.5 * (x[:, None] == y[None, :]).mean())
+''',
+            "the seeds' pairs only, as the paired test": '''
+def probability_of_improvement(x, y):
+    return float(np.mean(x > y) + 0.5 * np.mean(x == y))
+''',
+        }),
     "power": Exercise(
         solution='''
-def power(s1, s2, n, epsilon, alpha=0.05):
-    nu = (s1**2 + s2**2) ** 2 * (n - 1) / (s1**4 + s2**4)
-    return float(1 - stats.t.cdf(stats.t.ppf(1 - alpha, nu) - epsilon / np.sqrt((s1**2 + s2**2) / n), nu))
+def power(sd, n, epsilon, alpha=0.005):
+    crit, noncentrality = stats.t.ppf(1 - alpha / 2, n - 1), epsilon * np.sqrt(n) / sd
+    return float(stats.nct.sf(crit, n - 1, noncentrality) + stats.nct.sf(crit, n - 1, -noncentrality))
+''' + RESOLVED,
+        wrong={
+            "shortcut: scipy's stats.power, a simulation": '''
+def power(sd, n, epsilon, alpha=0.005):
+    rvs = lambda size: np.random.default_rng(0).normal(epsilon, sd, size)  # noqa: E731
+    return float(stats.power(stats.ttest_1samp, rvs, (n,), significance=alpha, kwargs={"popmean": np.array(0.0)},
+                             n_resamples=20_000).power[0])
+''' + RESOLVED,
+            "Welch's unpaired one-sided formula (Colas et al.), the seeds' sd on each side": '''
+def power(sd, n, epsilon, alpha=0.005):
+    nu = 2 * (n - 1)
+    return float(1 - stats.t.cdf(stats.t.ppf(1 - alpha, nu) - epsilon / np.sqrt(2 * sd**2 / n), nu))
+''' + RESOLVED,
+            "one-sided test": '''
+def power(sd, n, epsilon, alpha=0.005):
+    crit, noncentrality = stats.t.ppf(1 - alpha, n - 1), epsilon * np.sqrt(n) / sd
+    return float(stats.nct.sf(crit, n - 1, noncentrality))
+''' + RESOLVED,
+            "alpha 0.05, not the family's 0.005": '''
+def power(sd, n, epsilon, alpha=0.05):
+    crit, noncentrality = stats.t.ppf(1 - alpha / 2, n - 1), epsilon * np.sqrt(n) / sd
+    return float(stats.nct.sf(crit, n - 1, noncentrality) + stats.nct.sf(crit, n - 1, -noncentrality))
+''' + RESOLVED,
+            "both tails at the one-sided quantile t_(1 - alpha)": '''
+def power(sd, n, epsilon, alpha=0.005):
+    crit, noncentrality = stats.t.ppf(1 - alpha, n - 1), epsilon * np.sqrt(n) / sd
+    return float(stats.nct.sf(crit, n - 1, noncentrality) + stats.nct.sf(crit, n - 1, -noncentrality))
+''' + RESOLVED,
+            "the normal approximation": '''
+def power(sd, n, epsilon, alpha=0.005):
+    z, shift = stats.norm.ppf(1 - alpha / 2), epsilon * np.sqrt(n) / sd
+    return float(stats.norm.sf(z - shift) + stats.norm.cdf(-z - shift))
+''' + RESOLVED,
+            "the right power, resolved at the first n only": '''
+def power(sd, n, epsilon, alpha=0.005):
+    crit, noncentrality = stats.t.ppf(1 - alpha / 2, n - 1), epsilon * np.sqrt(n) / sd
+    return float(stats.nct.sf(crit, n - 1, noncentrality) + stats.nct.sf(crit, n - 1, -noncentrality))
+
+
+spread = results["stepwise", "flow_grpo", "iterations"]["spread"]
+resolved = {n: optimize.brentq(lambda e: power(spread, 12, e) - 0.8, 1e-9, 1.0) for n in (12, 36)}
 ''',
-        wrong={}),
+        }),
 }
 
 # ----------------------------------------------------------------------------------------------------
@@ -140,7 +215,47 @@ def gold_peak(record):
             best = (e["iteration"], e["gain_gold"])
     return best
 ''',
-        wrong={}),
+        wrong={
+            "shortcut: the notebook's curve and numpy's argmax": '''
+def gold_peak(record):
+    c = curve(record)
+    i = int(np.argmax(c["gold"]))
+    return int(c["iteration"][i]), float(c["gold"][i])
+''',
+            "shortcut: the notebook's mean_curve of the one record": '''
+def gold_peak(record):
+    its, gold, _ = mean_curve([record], "gold")
+    i = int(np.argmax(gold))
+    return int(its[i]), float(gold[i])
+''',
+            "the base at iteration 0 left out": '''
+def gold_peak(record):
+    best = max(record["evaluations"], key=lambda e: e["gain_gold"])
+    return best["iteration"], best["gain_gold"]
+''',
+            "ties to the latest": '''
+def gold_peak(record):
+    best = (0, 0.0)
+    for e in record["evaluations"]:
+        if e["gain_gold"] >= best[1]:
+            best = (e["iteration"], e["gain_gold"])
+    return best
+''',
+            "numpy's argmax: the evaluation's index, not its iteration": '''
+def gold_peak(record):
+    gains = [0.0] + [e["gain_gold"] for e in record["evaluations"]]
+    i = int(np.argmax(gains))
+    return i, gains[i]
+''',
+            "the proxy's peak, not the gold's": '''
+def gold_peak(record):
+    best = (0, 0.0, 0.0)
+    for e in record["evaluations"]:
+        if e["gain_reward"] > best[2]:
+            best = (e["iteration"], e["gain_gold"], e["gain_reward"])
+    return best[:2]
+''',
+        }),
     "agreement": Exercise(
         solution='''
 def agreement(after, before):
@@ -153,7 +268,40 @@ def agreement(after, before):
             agree += (dr > 0) == (dg > 0)
     return agree / total
 ''',
-        wrong={}),
+        wrong={
+            "shortcut: the notebook's agreeing_share, which draws the figure": '''
+def agreement(after, before):
+    return agreeing_share(after, before)
+''',
+            "pairs where only one score changed counted": '''
+def agreement(after, before):
+    old = {k: dict(zip(before["pair"], before[k])) for k in ("reward", "gold")}
+    agree = total = 0
+    for p, r, g in zip(after["pair"], after["reward"], after["gold"]):
+        dr, dg = r - old["reward"][p], g - old["gold"][p]
+        if dr or dg:
+            total += 1
+            agree += (dr > 0) == (dg > 0)
+    return agree / total
+''',
+            "pairs where neither changed counted as agreeing": '''
+def agreement(after, before):
+    old = {k: dict(zip(before["pair"], before[k])) for k in ("reward", "gold")}
+    signs = [(np.sign(r - old["reward"][p]), np.sign(g - old["gold"][p]))
+             for p, r, g in zip(after["pair"], after["reward"], after["gold"])]
+    return float(np.mean([a == b for a, b in signs]))
+''',
+            "pairs matched by position, not by their id": '''
+def agreement(after, before):
+    agree = total = 0
+    for i, (r, g) in enumerate(zip(after["reward"], after["gold"])):
+        dr, dg = r - before["reward"][i], g - before["gold"][i]
+        if dr and dg:
+            total += 1
+            agree += (dr > 0) == (dg > 0)
+    return agree / total
+''',
+        }),
 }
 
 SOLUTIONS = {"01_flow_grpo_walkthrough.ipynb": NB01, "02_credit_assignment_side_by_side.ipynb": NB02,
