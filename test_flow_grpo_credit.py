@@ -2637,12 +2637,18 @@ def test_tune_holds_out_other_lines_of_a_prompts_file_than_the_held_out_set(tmp_
 def test_notebook_03_computes_a_method_s_interval_and_the_family_s_holm_adjusted_differences_as_worked_out_here(
         tmp_path, monkeypatch):
     """On records with known gains: tempflow's mean strict gain with Student's 95% interval; each of the ten tests of
-    the family, at its comparison point, with its Bonferroni interval, Holm's adjusted p-value and verdict; and
-    tempflow's probability of improvement over Flow-GRPO."""
+    the family, at its comparison point, with its Bonferroni interval, Holm's adjusted p-value and verdict;
+    tempflow's probability of improvement over Flow-GRPO; and a sixth method's label, outside the campaign, read as
+    the others are, its row after the campaign's."""
     import nbformat
     from nbclient import NotebookClient
 
-    monkeypatch.setenv("FGC_COMPARISON", str(synthetic_records(tmp_path / "comparison")))
+    folder = synthetic_records(tmp_path / "comparison")
+    for seed in (0, 1):  # Flow-GRPO's runs relabelled: their files sort first, so the notebook reads their flags
+        record = json.loads((folder / f"flow_grpo-seed{seed}.json").read_text())
+        record["label"] = record["args"]["method"] = "a_sixth_method"
+        (folder / f"a_sixth_method-seed{seed}.json").write_text(json.dumps(record))
+    monkeypatch.setenv("FGC_COMPARISON", str(folder))
     nb = nbformat.read(HERE / "notebooks" / "03_head_to_head.ipynb", as_version=4)
     nb.cells = [c for c in nb.cells if not {"exercise", "check"} & set(c.metadata.get("tags", []))]
     NotebookClient(nb, kernel_name="python3", timeout=600, resources={"metadata": {"path": str(HERE / "notebooks")}}
@@ -2675,6 +2681,14 @@ def test_notebook_03_computes_a_method_s_interval_and_the_family_s_holm_adjusted
     row = line_starting("| tempflow − flow_grpo | iteration 3 |")
     value, low, high = map(float, re.search(r"\| ([\d.]+) \[([\d.]+), ([\d.]+)\] \| 3 of 3 \|$", row).groups())
     assert value == round(8.5 / 9, 2) and high == 1.0 and 0.5 <= low <= value
+    # the sixth method: Flow-GRPO's gains of seeds 0 and 1, with Student's t of 1 degree of freedom; the summary lists
+    # the campaign's labels in its order, then it; the count keeps the campaign's runs apart from it
+    gains = np.array(SYNTHETIC_SIXTHS["flow_grpo"][:2]) / 6
+    mean, half = gains.mean(), 12.706 * gains.std(ddof=1) / math.sqrt(2)
+    assert f"| a_sixth_method | 2 | **{mean:+.3f}** [{mean - half:+.3f}, {mean + half:+.3f}] |" in text
+    summary = text.split("## Summary\n\n")[1].split("\n\n")[0].splitlines()[2:]
+    assert [line.split(" | ")[0][2:] for line in summary] == [*SYNTHETIC_SIXTHS, "a_sixth_method"]
+    assert "21 of the campaign's 72 runs and 2 of labels outside it, 12 held-out pairs" in text
 
 
 # notebook 04: the preference world's runs, on records with known gold curves
