@@ -20,6 +20,50 @@ class Exercise(NamedTuple):
 # 01_flow_grpo_walkthrough.ipynb
 
 NB01 = {
+    "sde_mean_std": Exercise(
+        solution='''
+def sde_mean_std(x, v, t, t_next, a):
+    t, t_next = t.view(-1, 1, 1, 1), t_next.view(-1, 1, 1, 1)
+    dt = t - t_next
+    sigma = a * torch.sqrt(t / (1 - torch.where(t >= 1, t_next, t)))
+    x1_hat = x + (1 - t) * v
+    return x - dt * (v + sigma**2 / (2 * t) * x1_hat), (sigma * dt.sqrt()).flatten()
+''',
+        wrong={
+            "shortcut: fgc.sde_step": '''
+def sde_mean_std(x, v, t, t_next, a):
+    _, _, mean, std = fgc.sde_step(x, v, t, t_next, noise_level=a, noise=torch.zeros_like(x))
+    return mean, std
+''',
+            "no 1/(2t) in the drift's correction": '''
+def sde_mean_std(x, v, t, t_next, a):
+    t, t_next = t.view(-1, 1, 1, 1), t_next.view(-1, 1, 1, 1)
+    dt = t - t_next
+    sigma = a * torch.sqrt(t / (1 - torch.where(t >= 1, t_next, t)))
+    return x - dt * (v + sigma**2 * (x + (1 - t) * v)), (sigma * dt.sqrt()).flatten()
+''',
+            "std without sqrt(dt)": '''
+def sde_mean_std(x, v, t, t_next, a):
+    t, t_next = t.view(-1, 1, 1, 1), t_next.view(-1, 1, 1, 1)
+    dt = t - t_next
+    sigma = a * torch.sqrt(t / (1 - torch.where(t >= 1, t_next, t)))
+    return x - dt * (v + sigma**2 / (2 * t) * (x + (1 - t) * v)), sigma.flatten()
+''',
+            "the wrong sign of dt": '''
+def sde_mean_std(x, v, t, t_next, a):
+    t, t_next = t.view(-1, 1, 1, 1), t_next.view(-1, 1, 1, 1)
+    dt = t_next - t
+    sigma = a * torch.sqrt(t / (1 - torch.where(t >= 1, t_next, t)))
+    return x - dt * (v + sigma**2 / (2 * t) * (x + (1 - t) * v)), (sigma * dt.abs().sqrt()).flatten()
+''',
+            "t in the denominator at t = 1": '''
+def sde_mean_std(x, v, t, t_next, a):
+    t, t_next = t.view(-1, 1, 1, 1), t_next.view(-1, 1, 1, 1)
+    dt = t - t_next
+    sigma = a * torch.sqrt(t / (1 - t))
+    return x - dt * (v + sigma**2 / (2 * t) * (x + (1 - t) * v)), (sigma * dt.sqrt()).flatten()
+''',
+        }),
     "group_advantages": Exercise(
         solution='''
 def group_advantages(r, group):
@@ -29,7 +73,64 @@ def group_advantages(r, group):
         out[group == g] = (rg - rg.mean()) / (rg.std(unbiased=False) + 1e-4)
     return out
 ''',
-        wrong={}),
+        wrong={
+            "shortcut: fgc.group_normalise": '''
+def group_advantages(r, group):
+    return fgc.group_normalise(r, group)[0]
+''',
+            "the sample std": '''
+def group_advantages(r, group):
+    out = torch.empty_like(r)
+    for g in torch.unique(group):
+        rg = r[group == g]
+        out[group == g] = (rg - rg.mean()) / (rg.std() + 1e-4)
+    return out
+''',
+            "the whole batch as one group": '''
+def group_advantages(r, group):
+    return (r - r.mean()) / (r.std(unbiased=False) + 1e-4)
+''',
+            "no 1e-4: NaN for equal rewards": '''
+def group_advantages(r, group):
+    out = torch.empty_like(r)
+    for g in torch.unique(group):
+        rg = r[group == g]
+        out[group == g] = (rg - rg.mean()) / rg.std(unbiased=False)
+    return out
+''',
+        }),
+    "clipped_loss": Exercise(
+        solution='''
+def clipped_loss(log_prob, log_prob_old, advantage, eps):
+    ratio = torch.exp(log_prob - log_prob_old)
+    return torch.maximum(-advantage * ratio, -advantage * ratio.clamp(1 - eps, 1 + eps)).mean()
+''',
+        wrong={
+            "shortcut: fgc.grpo_loss": '''
+def clipped_loss(log_prob, log_prob_old, advantage, eps):
+    return fgc.grpo_loss(policy, ctx.cond, transitions, dataclasses.replace(args, clip_range=eps, beta=0.0))[0]
+''',
+            "min instead of max of the negated terms": '''
+def clipped_loss(log_prob, log_prob_old, advantage, eps):
+    ratio = torch.exp(log_prob - log_prob_old)
+    return torch.minimum(-advantage * ratio, -advantage * ratio.clamp(1 - eps, 1 + eps)).mean()
+''',
+            "the advantage clipped instead of the ratio": '''
+def clipped_loss(log_prob, log_prob_old, advantage, eps):
+    ratio = torch.exp(log_prob - log_prob_old)
+    return torch.maximum(-advantage * ratio, -advantage.clamp(1 - eps, 1 + eps) * ratio).mean()
+''',
+            "the clip on the upper side only": '''
+def clipped_loss(log_prob, log_prob_old, advantage, eps):
+    ratio = torch.exp(log_prob - log_prob_old)
+    return torch.maximum(-advantage * ratio, -advantage * ratio.clamp(max=1 + eps)).mean()
+''',
+            "the ratio detached: no gradient": '''
+def clipped_loss(log_prob, log_prob_old, advantage, eps):
+    ratio = torch.exp(log_prob - log_prob_old).detach()
+    return torch.maximum(-advantage * ratio, -advantage * ratio.clamp(1 - eps, 1 + eps)).mean()
+''',
+        }),
     "kl_per_transition": Exercise(
         solution='''
 def kl_per_transition(tr):
@@ -41,7 +142,47 @@ def kl_per_transition(tr):
     mean_ref = fgc.sde_step(tr.x, v_ref, tr.t, tr.t_next, noise_level=args.sde_level, prev_sample=tr.x_next)[2]
     return ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * tr.std**2)
 ''',
-        wrong={}),
+        wrong={
+            "shortcut: fgc.gaussian_kl": '''
+def kl_per_transition(tr):
+    cond = ctx.cond_of(tr.prompt)
+    v = policy.velocity(tr.x, tr.t, cond)
+    with fgc.adapter_disabled(policy.net):
+        v_ref = policy.velocity(tr.x, tr.t, cond)
+    mean = fgc.sde_step(tr.x, v, tr.t, tr.t_next, noise_level=args.sde_level, prev_sample=tr.x_next)[2]
+    mean_ref = fgc.sde_step(tr.x, v_ref, tr.t, tr.t_next, noise_level=args.sde_level, prev_sample=tr.x_next)[2]
+    return fgc.gaussian_kl(mean, mean_ref, tr.std)
+''',
+            "shortcut: grpo_loss's mean KL for every transition": '''
+def kl_per_transition(tr):
+    return torch.full((len(tr),), float(fgc.grpo_loss(policy, ctx.cond, tr, args)[1]["kl"]))
+''',
+            "the walkthrough's mean KL for every transition": '''
+def kl_per_transition(tr):
+    return torch.full((len(tr),), after["kl"])
+''',
+            "divided by sigma_t^2 instead of s_k^2": '''
+def kl_per_transition(tr):
+    cond = ctx.cond_of(tr.prompt)
+    v = policy.velocity(tr.x, tr.t, cond)
+    with fgc.adapter_disabled(policy.net):
+        v_ref = policy.velocity(tr.x, tr.t, cond)
+    mean = fgc.sde_step(tr.x, v, tr.t, tr.t_next, noise_level=args.sde_level, prev_sample=tr.x_next)[2]
+    mean_ref = fgc.sde_step(tr.x, v_ref, tr.t, tr.t_next, noise_level=args.sde_level, prev_sample=tr.x_next)[2]
+    sigma2 = tr.std**2 / (tr.t - tr.t_next)
+    return ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * sigma2)
+''',
+            "a sum over the dimensions": '''
+def kl_per_transition(tr):
+    cond = ctx.cond_of(tr.prompt)
+    v = policy.velocity(tr.x, tr.t, cond)
+    with fgc.adapter_disabled(policy.net):
+        v_ref = policy.velocity(tr.x, tr.t, cond)
+    mean = fgc.sde_step(tr.x, v, tr.t, tr.t_next, noise_level=args.sde_level, prev_sample=tr.x_next)[2]
+    mean_ref = fgc.sde_step(tr.x, v_ref, tr.t, tr.t_next, noise_level=args.sde_level, prev_sample=tr.x_next)[2]
+    return ((mean - mean_ref) ** 2).flatten(1).sum(1) / (2 * tr.std**2)
+''',
+        }),
 }
 
 # ----------------------------------------------------------------------------------------------------
