@@ -280,17 +280,17 @@ def sde_window(ctx):
         }),
     "prediction": Exercise(
         solution='''
-prediction = {"clips_with_1": False, "clips_with_8": True, "most_clipped_steps": {7, 8}}
+prediction = {"clips_with_1": False, "clips_with_8": True, "most_clipped_step": 8}
 ''',
         wrong={
             "shortcut: notebook 01's first minibatch (ratio 1, nothing clipped) taken for every minibatch": '''
-prediction = {"clips_with_1": False, "clips_with_8": False, "most_clipped_steps": {7, 8}}
+prediction = {"clips_with_1": False, "clips_with_8": False, "most_clipped_step": 8}
 ''',
             "the clip acting on the one on-policy minibatch": '''
-prediction = {"clips_with_1": True, "clips_with_8": True, "most_clipped_steps": {7, 8}}
+prediction = {"clips_with_1": True, "clips_with_8": True, "most_clipped_step": 8}
 ''',
             "the early steps, where the image is decided": '''
-prediction = {"clips_with_1": False, "clips_with_8": True, "most_clipped_steps": {0, 1}}
+prediction = {"clips_with_1": False, "clips_with_8": True, "most_clipped_step": 0}
 ''',
         }),
     "member_noise": Exercise(
