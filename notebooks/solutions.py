@@ -197,14 +197,67 @@ def per_step_advantages(ctx, r, prompt):
     group = prompt[:, None] * s + torch.arange(s)  # one group per (prompt, step)
     return ctx.advantages(gains.flatten(), group.flatten()).view_as(gains)
 ''',
-        wrong={}),
+        wrong={
+            "shortcut: fgc.gain_advantages, the joint normalisation": '''
+def per_step_advantages(ctx, r, prompt):
+    return fgc.gain_advantages(ctx, r, prompt)
+''',
+            "grouped by step only, the prompts pooled": '''
+def per_step_advantages(ctx, r, prompt):
+    gains = r[:, 1:] - r[:, :-1]
+    group = torch.arange(gains.shape[1]).expand_as(gains)
+    return ctx.advantages(gains.flatten(), group.flatten()).view_as(gains)
+''',
+            "the sample std instead of the population std": '''
+def per_step_advantages(ctx, r, prompt):
+    gains = r[:, 1:] - r[:, :-1]
+    out = torch.empty_like(gains)
+    for p in prompt.unique():
+        g = gains[prompt == p]
+        out[prompt == p] = (g - g.mean(0)) / (g.std(0) + 1e-4)
+    return out
+''',
+            "the rewards normalised per step instead of the gains": '''
+def per_step_advantages(ctx, r, prompt):
+    later = r[:, 1:]
+    s = later.shape[1]
+    group = prompt[:, None] * s + torch.arange(s)
+    return ctx.advantages(later.flatten(), group.flatten()).view_as(later)
+''',
+        }),
     "tempflow_weights": Exercise(
         solution='''
 def tempflow_weights(grid, args):
     stds = fgc.step_stds(grid, args)
     return stds / stds[fgc.trainable_steps(grid, args)].mean()
 ''',
-        wrong={}),
+        wrong={
+            "shortcut: the weights fgc.tempflow gave section 1's transitions": '''
+def tempflow_weights(grid, args):
+    tr = runs["tempflow"]["tr"]
+    w = torch.ones(len(grid) - 1)
+    for k in torch.unique(tr.step).tolist():
+        if k < len(w):
+            w[k] = tr.weight[tr.step == k][0]
+    return w
+''',
+            "normalised over all steps, the untrained included": '''
+def tempflow_weights(grid, args):
+    stds = fgc.step_stds(grid, args)
+    return stds / stds.mean()
+''',
+            "normalised over every step but the last": '''
+def tempflow_weights(grid, args):
+    stds = fgc.step_stds(grid, args)
+    return stds / stds[:-1].mean()
+''',
+            "sigma_t instead of the transition std s_k": '''
+def tempflow_weights(grid, args):
+    t, t_next = grid[:-1], grid[1:]
+    sigma = args.sde_level * torch.sqrt(t / (1 - torch.where(t >= 1, t_next, t)))
+    return sigma / sigma[fgc.trainable_steps(grid, args)].mean()
+''',
+        }),
     "chunk_ids": Exercise(
         solution='''
 def step_chunks(tr):
@@ -214,7 +267,40 @@ def step_chunks(tr):
 def sequence_chunks(tr):
     return torch.arange(len(tr)) // n_trained
 ''',
-        wrong={}),
+        wrong={
+            "shortcut: the library's automatic chunks, tr.chunk_id": '''
+def step_chunks(tr):
+    return tr.chunk_id
+
+
+def sequence_chunks(tr):
+    return tr.chunk_id
+''',
+            "off by one: n_trained + 1 transitions a chunk": '''
+def step_chunks(tr):
+    return torch.arange(len(tr))
+
+
+def sequence_chunks(tr):
+    return torch.arange(len(tr)) // (n_trained + 1)
+''',
+            "one chunk a prompt, not a trajectory": '''
+def step_chunks(tr):
+    return torch.arange(len(tr))
+
+
+def sequence_chunks(tr):
+    return tr.prompt
+''',
+            "one chunk a step index, across trajectories": '''
+def step_chunks(tr):
+    return tr.step
+
+
+def sequence_chunks(tr):
+    return torch.arange(len(tr)) // n_trained
+''',
+        }),
     "sde_window": Exercise(
         solution='''
 WINDOW = 3
@@ -231,12 +317,123 @@ def sde_window(ctx):
     adv = ctx.advantages(r, prompt)[:, None]
     return fgc.transitions_from(traj, prompt, adv, window & ctx.trainable), r
 ''',
-        wrong={}),
+        wrong={
+            "shortcut: fgc.flow_grpo, every step stochastic and trained": '''
+WINDOW = 3
+
+
+def sde_window(ctx):
+    return fgc.flow_grpo(ctx)
+''',
+            "shortcut: fgc.flow_grpo's transitions cut to a random window": '''
+WINDOW = 3
+
+
+def sde_window(ctx):
+    tr, r = fgc.flow_grpo(ctx)
+    allowed = torch.nonzero(ctx.trainable).flatten()
+    start = int(allowed[torch.randint(len(allowed) - WINDOW + 1, (1,), generator=ctx.shared_gen)])
+    return tr[(tr.step >= start) & (tr.step < start + WINDOW)], r
+''',
+            "a fixed window, the first WINDOW steps": '''
+WINDOW = 3
+
+
+def sde_window(ctx):
+    b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
+    window = torch.arange(n_steps) < WINDOW
+    prompt = fgc.repeat(torch.arange(b), g)
+    traj = ctx.sample(prompt, fgc.initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, window.tolist())
+    r = ctx.reward(traj.states[:, -1], prompt)
+    return fgc.transitions_from(traj, prompt, ctx.advantages(r, prompt)[:, None], window & ctx.trainable), r
+''',
+            "SDE steps from the noise to the window's end": '''
+WINDOW = 3
+
+
+def sde_window(ctx):
+    b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
+    allowed = torch.nonzero(ctx.trainable).flatten()
+    start = int(allowed[torch.randint(len(allowed) - WINDOW + 1, (1,), generator=ctx.shared_gen)])
+    window = (torch.arange(n_steps) >= start) & (torch.arange(n_steps) < start + WINDOW)
+    prompt = fgc.repeat(torch.arange(b), g)
+    sde = (torch.arange(n_steps) < start + WINDOW).tolist()
+    traj = ctx.sample(prompt, fgc.initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, sde)
+    r = ctx.reward(traj.states[:, -1], prompt)
+    return fgc.transitions_from(traj, prompt, ctx.advantages(r, prompt)[:, None], window & ctx.trainable), r
+''',
+            "trains the steps one after the stochastic window": '''
+WINDOW = 3
+
+
+def sde_window(ctx):
+    b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
+    allowed = torch.nonzero(ctx.trainable).flatten()
+    start = int(allowed[torch.randint(len(allowed) - WINDOW, (1,), generator=ctx.shared_gen)])
+    window = (torch.arange(n_steps) >= start) & (torch.arange(n_steps) < start + WINDOW)
+    trained = (torch.arange(n_steps) > start) & (torch.arange(n_steps) <= start + WINDOW)
+    prompt = fgc.repeat(torch.arange(b), g)
+    traj = ctx.sample(prompt, fgc.initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, window.tolist())
+    r = ctx.reward(traj.states[:, -1], prompt)
+    return fgc.transitions_from(traj, prompt, ctx.advantages(r, prompt)[:, None], trained & ctx.trainable), r
+''',
+            "starts up to S - WINDOW, the untrained last step included": '''
+WINDOW = 3
+
+
+def sde_window(ctx):
+    b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
+    start = int(torch.randint(n_steps - WINDOW + 1, (1,), generator=ctx.shared_gen))
+    window = (torch.arange(n_steps) >= start) & (torch.arange(n_steps) < start + WINDOW)
+    prompt = fgc.repeat(torch.arange(b), g)
+    traj = ctx.sample(prompt, fgc.initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, window.tolist())
+    r = ctx.reward(traj.states[:, -1], prompt)
+    return fgc.transitions_from(traj, prompt, ctx.advantages(r, prompt)[:, None], window & ctx.trainable), r
+''',
+            "off by one: the last allowed start never drawn": '''
+WINDOW = 3
+
+
+def sde_window(ctx):
+    b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
+    allowed = torch.nonzero(ctx.trainable).flatten()
+    start = int(allowed[torch.randint(len(allowed) - WINDOW, (1,), generator=ctx.shared_gen)])
+    window = (torch.arange(n_steps) >= start) & (torch.arange(n_steps) < start + WINDOW)
+    prompt = fgc.repeat(torch.arange(b), g)
+    traj = ctx.sample(prompt, fgc.initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, window.tolist())
+    r = ctx.reward(traj.states[:, -1], prompt)
+    return fgc.transitions_from(traj, prompt, ctx.advantages(r, prompt)[:, None], window & ctx.trainable), r
+''',
+            "the start drawn with ctx.gen, which differs between ranks": '''
+WINDOW = 3
+
+
+def sde_window(ctx):
+    b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
+    allowed = torch.nonzero(ctx.trainable).flatten()
+    start = int(allowed[torch.randint(len(allowed) - WINDOW + 1, (1,), generator=ctx.gen)])
+    window = (torch.arange(n_steps) >= start) & (torch.arange(n_steps) < start + WINDOW)
+    prompt = fgc.repeat(torch.arange(b), g)
+    traj = ctx.sample(prompt, fgc.initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, window.tolist())
+    r = ctx.reward(traj.states[:, -1], prompt)
+    return fgc.transitions_from(traj, prompt, ctx.advantages(r, prompt)[:, None], window & ctx.trainable), r
+''',
+        }),
     "prediction": Exercise(
         solution='''
-prediction = {"ratio_first": {1: 1.0, 8: 1.0}, "clipfrac_first": {1: 0.0, 8: 0.0}, "clips_more": 8}
+prediction = {"clips_with_1": False, "clips_with_8": True, "most_clipped_step": 8}
 ''',
-        wrong={}),
+        wrong={
+            "shortcut: notebook 01's first minibatch (ratio 1, nothing clipped) taken for every minibatch": '''
+prediction = {"clips_with_1": False, "clips_with_8": False, "most_clipped_step": 8}
+''',
+            "the clip acting on the one on-policy minibatch": '''
+prediction = {"clips_with_1": True, "clips_with_8": True, "most_clipped_step": 8}
+''',
+            "the early steps, where the image is decided": '''
+prediction = {"clips_with_1": False, "clips_with_8": True, "most_clipped_step": 0}
+''',
+        }),
     "member_noise": Exercise(
         solution='''
 def member_noise(ctx):
@@ -245,7 +442,45 @@ def member_noise(ctx):
 
 answer = "B"
 ''',
-        wrong={}),
+        wrong={
+            "shortcut: Stepwise's own noise, one a group, and its telescoping answer": '''
+def member_noise(ctx):
+    b, g = len(ctx.metas), ctx.group_size
+    return fgc.repeat(fgc.initial_noise(ctx.policy, b, ctx.shared_gen), g)
+
+
+answer = "A"
+''',
+            "a noise of its own, but the final reward as before": '''
+def member_noise(ctx):
+    return fgc.initial_noise(ctx.policy, len(ctx.metas) * ctx.group_size, ctx.gen)
+
+
+answer = "A"
+''',
+            "one noise for every member of every prompt": '''
+def member_noise(ctx):
+    b, g = len(ctx.metas), ctx.group_size
+    return fgc.initial_noise(ctx.policy, 1, ctx.gen).expand(b * g, -1, -1, -1).clone()
+
+
+answer = "B"
+''',
+            "uniform noise in [0, 1) instead of standard normal": '''
+def member_noise(ctx):
+    return torch.rand(ctx.policy.latent_shape(len(ctx.metas) * ctx.group_size), generator=ctx.gen)
+
+
+answer = "B"
+''',
+            "the reward of the start alone": '''
+def member_noise(ctx):
+    return fgc.initial_noise(ctx.policy, len(ctx.metas) * ctx.group_size, ctx.gen)
+
+
+answer = "C"
+''',
+        }),
 }
 
 # ----------------------------------------------------------------------------------------------------
