@@ -2527,8 +2527,10 @@ def family_rows(differences: dict, where: dict) -> dict:
     return rows
 
 
-def test_the_committed_records_stay_within_8_mb():
-    assert sum(p.stat().st_size for p in COMMITTED_RECORDS.glob("*.json")) < 8e6
+def test_the_committed_records_stay_within_16_mb():
+    """The head-to-head's records, those of the campaign under way in pending/ included (notebook 03 reads the
+    folder's own *-seed*.json files only)."""
+    assert sum(p.stat().st_size for p in COMMITTED_RECORDS.rglob("*.json")) < 16e6
 
 
 def holm_rows(differences: dict) -> dict[str, str]:
