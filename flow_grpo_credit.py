@@ -91,7 +91,7 @@ def segment_mean(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor,
     inverse = inverse.to(values.device)
     return values.new_zeros(len(uniq)).scatter_reduce(0, inverse, values, "mean", include_self=False), inverse
 
-@dataclass
+@dataclass(frozen=True)
 class Dist:
     """Where this process stands under torchrun (rank 0 of 1 without it); collectives run on `device`."""
 
@@ -1016,31 +1016,31 @@ METHOD_DEFAULTS = {"flow_grpo": dict(iterations=64, lr=1e-3), "stepwise": dict(i
 # ----------------------------------------------------------------------------------------------------
 # 8 GRPO loss and update (shared)
 
-def grpo_loss(policy, cond: dict, tr: Transitions, args: Args, whole: tuple | None = None):
-    """PPO's clipped surrogate, as every official code writes it for GRPO -> (loss, stats):
+def grpo_loss(policy, cond: dict, tr: Transitions, args: Args, minibatch: Transitions | None = None):
+    """PPO's clipped surrogate, as every official code writes it for GRPO, on chunks -> (loss, stats):
         ratio = exp(log pi_theta(x[k+1] | x[k]) - log pi_old(x[k+1] | x[k]))     per transition
         loss  = mean w max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps))  +  beta mean_k KL_k
     Chunk-GRPO's generalisation: a chunk's transitions share one ratio, exp of their mean log-ratio, and the mean runs
     over chunks (every other method's chunk is one transition). The clip acts on the D-th root of the likelihood
     ratio: on the whole image exp(D eps), 2.2 on the toy (D = 768, eps = 1e-3), 700 on SD3.5 at 512 px (D = 65,536,
     eps = 1e-4). approx_kl is 1/2 E[log_ratio^2], the k2 estimate Flow-GRPO's and DDPO's codes log; the KL is to the
-    adapter-disabled reference (Deviation 2). `whole` = (minibatch, tr's indices in it, its log-ratios (N,) without
-    gradient, or None) for a micro-batch `tr`: sums divide by the minibatch's counts, and a chunk's members outside
-    `tr` enter its ratio frozen, so each micro-batch backpropagates exactly its members' share of the gradient."""
+    adapter-disabled base (Deviation 2). `tr` is whole chunks of `minibatch` (default: all of it), whose chunk and
+    transition counts the sums divide by, so that the pieces' gradients add up to the minibatch's."""
     log_prob, mean = transition_log_probs(policy, cond, tr, args)
-    log_ratio = chunk_log_ratios(log_prob, tr.log_prob, tr.chunk_id, whole)  # (K,) chunks; K = N but in Chunk-GRPO
-    ratio = torch.exp(log_ratio)
+    log_ratio = chunk_log_ratios(log_prob, tr.log_prob, tr.chunk_id)  # (K,) chunks; K = N but in Chunk-GRPO
     adv = segment_mean(tr.advantage, tr.chunk_id)[0].clamp(-args.adv_clip, args.adv_clip)  # (K,)
+    weight = segment_mean(tr.weight, tr.chunk_id)[0]  # (K,)
+    ratio = torch.exp(log_ratio)
     clipped = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
-    policy_terms = segment_mean(tr.weight, tr.chunk_id)[0] * torch.maximum(-adv * ratio, -adv * clipped)  # (K,)
-    mb = whole[0] if whole else tr  # sums divide by the minibatch's counts
-    n_chunks, n_transitions = len(torch.unique(mb.chunk_id)), len(mb)
+    policy_terms = weight * torch.maximum(-adv * ratio, -adv * clipped)  # (K,)
     kl_terms = torch.zeros(len(tr), device=mean.device)  # (N,)
-    if args.beta > 0:  # the reference's mean is a constant; the policy's carries the KL's gradient
+    if args.beta > 0:  # the base's mean is a constant; the policy's carries the KL's gradient
         with torch.no_grad(), adapter_disabled(policy.net):
-            mean_ref = transition_log_probs(policy, cond, tr, args)[1]
-        kl_terms = gaussian_kl(mean, mean_ref, tr.std)
-    loss = policy_terms.sum() / n_chunks + args.beta * kl_terms.sum() / n_transitions
+            mean_base = transition_log_probs(policy, cond, tr, args)[1]
+        kl_terms = gaussian_kl(mean, mean_base, tr.std)
+    minibatch = tr if minibatch is None else minibatch
+    n_chunks = len(torch.unique(minibatch.chunk_id))
+    loss = policy_terms.sum() / n_chunks + args.beta * kl_terms.sum() / len(minibatch)
     stats = {"policy_loss": policy_terms.mean(), "kl": kl_terms.mean(), "ratio_mean": ratio.mean(),
              "clipfrac": ((ratio - 1).abs() > args.clip_range).float().mean(), "approx_kl": (0.5 * log_ratio**2).mean()}
     return loss, {k: s.detach() for k, s in stats.items()}
@@ -1060,15 +1060,9 @@ def first_of_each(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     uniq, inverse = torch.unique(ids, return_inverse=True)
     return torch.full((len(uniq),), len(ids)).scatter_reduce(0, inverse, torch.arange(len(ids)), "amin"), inverse
 
-def chunk_log_ratios(log_prob, log_prob_old, chunk_id, whole: tuple | None = None) -> torch.Tensor:
-    """Chunk-GRPO's chunk ratio in log space (v1 Eq. 14): the mean of each chunk's step log-ratios, (N,) -> (K,).
-    `whole` (see grpo_loss): a chunk's members outside the micro-batch enter its mean frozen."""
-    log_ratio = segment_mean(log_prob - log_prob_old, chunk_id)[0]
-    mb, piece, frozen = whole or (None, None, None)
-    if frozen is None:
-        return log_ratio
-    mixed = frozen.index_put((piece.to(frozen.device),), log_prob - log_prob_old)  # (N_minibatch,)
-    return segment_mean(mixed, mb.chunk_id)[0][torch.isin(mb.chunk_id.unique(), chunk_id).to(mixed.device)]
+def chunk_log_ratios(log_prob, log_prob_old, chunk_id) -> torch.Tensor:
+    """Chunk-GRPO's chunk ratio in log space (v1 Eq. 14): the mean of each chunk's step log-ratios, (N,) -> (K,)."""
+    return segment_mean(log_prob - log_prob_old, chunk_id)[0]
 
 @contextlib.contextmanager
 def adapter_disabled(net):
@@ -1079,33 +1073,45 @@ def adapter_disabled(net):
     finally:
         net.enable_adapters()
 
-def accumulate_gradients(policy, cond: dict, mb: Transitions, args: Args, meter: Meter = Meter()) -> list[dict]:
-    """Backward of a minibatch's loss in pieces of `micro_batch` transitions; under DDP only the last backward syncs.
-    `meter` counts the forward passes: one a distinct state of a piece (two with the reference's)."""
-    pieces = torch.arange(len(mb)).split(args.micro_batch or len(mb))  # (N,) CPU indices, a forward pass each
+def accumulate_gradients(policy, cond: dict, mb: Transitions, args: Args, meter: Meter | None = None) -> list[dict]:
+    """Backward of a minibatch's loss in pieces of about `micro_batch` transitions; under DDP only the last backward
+    syncs. A piece holds whole units (a chunk, or a branch point's children), so its loss is exact as it stands; a
+    unit larger than `micro_batch` is a piece of its own, and a pass then holds the largest chunk: at 10 steps 4
+    samples under --chunks paper, up to 6 under auto (4 chunks of 9 steps), where SD3.5's --micro-batch 4 holds 4.
+    `meter` counts the forward passes: one a distinct state of a piece (two with the base's)."""
+    unit, size = units(mb), args.micro_batch or len(mb)
+    pieces, filled = [], size  # each piece's unit ids; the last piece's transitions
+    for unit_id, count in zip(*(ids.tolist() for ids in torch.unique(unit, return_counts=True))):
+        if filled + count > size:
+            pieces.append([])
+            filled = 0
+        pieces[-1].append(unit_id)
+        filled += count
+    pieces = [torch.isin(unit, torch.tensor(piece)).nonzero().flatten() for piece in pieces]  # CPU indices
     passes = sum(len(torch.unique(mb.state_id[p])) for p in pieces) * policy.passes  # of the pieces' states
-    meter.nfe += passes * (2 if args.beta > 0 else 1)
-    frozen = None
-    if len(pieces) > 1 and len(torch.unique(mb.chunk_id)) < len(mb):  # a chunk may be split: freeze its log-ratios
-        meter.nfe += passes
-        with torch.no_grad():
-            frozen = torch.cat([transition_log_probs(policy, cond, mb[p], args)[0] for p in pieces]) - mb.log_prob
+    if meter is not None:
+        meter.nfe += passes * (2 if args.beta > 0 else 1)
     no_sync, stats = getattr(policy.denoiser, "no_sync", contextlib.nullcontext), []
     for i, piece in enumerate(pieces):
         with no_sync() if i < len(pieces) - 1 else contextlib.nullcontext():
-            loss, piece_stats = grpo_loss(policy, cond, mb[piece], args, (mb, piece, frozen))
+            loss, piece_stats = grpo_loss(policy, cond, mb[piece], args, mb)
             loss.backward()
         stats.append(piece_stats)
     return stats
 
+def units(tr: Transitions) -> torch.Tensor:
+    """(N,) the unit of each transition that is trained or left out whole: its chunk's id, or, for every child of a
+    branch point, the first child's (no method shares both: a state's children are single-step chunks)."""
+    first, of_state = first_of_each(tr.state_id)
+    return tr.chunk_id[first][of_state]
+
 def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Generator, dist: Dist = Dist(),
-           meter: Meter = Meter()) -> dict:
+           meter: Meter | None = None) -> dict:
     """Inner PPO updates, the first on-policy (ratio 1): a shuffled `train_fraction` of the chunks (a branch point's
     children count as one) in `inner_updates` minibatches, one clipped AdamW step each, without the advantage-0
     transitions (as Flow-GRPO). A non-finite gradient undoes the whole update (adapter and optimizer): `skipped`."""
     tr = tr[tr.advantage.cpu() != 0]
-    first, of_state = first_of_each(tr.state_id)  # no method shares both: a state's children are single-step chunks
-    unit = tr.chunk_id[first][of_state]  # (N,) a chunk's id, or the first child's for every child of a state
+    unit = units(tr)  # (N,) CPU
     ids = torch.unique(unit)
     order = ids[torch.randperm(len(ids), generator=gen)][: max(1, round(len(ids) * args.train_fraction))]
     n_minibatches = int(dist.reduce(min(args.inner_updates, len(order)), "min"))

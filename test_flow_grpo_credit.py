@@ -797,19 +797,23 @@ def test_transitions_of_groups_with_equal_rewards_are_left_out_of_the_loss(monke
 @pytest.mark.parametrize("method_args", [{}, {"method": "chunk", "chunks": "2,3"}], ids=["steps", "chunks"])
 def test_micro_batches_bound_every_pass_and_add_up_to_the_minibatch_gradient(method_args, monkeypatch):
     """accumulate_gradients in pieces of `micro_batch` transitions gives the gradient of the whole minibatch
-    (KL term included), also when a chunk of several transitions falls into two pieces, and no forward pass
-    of the model holds more than `micro_batch` transitions."""
+    (KL term included). A piece never splits a chunk: it is closed only when the next chunk does not fit, and no
+    forward pass of the model holds more than `micro_batch` transitions or, where one chunk is longer, that chunk."""
     ctx = ctx_for({**method_args, "beta": 0.05}, b=1)
     tr, _ = fgc.CREDIT_ASSIGNMENT[ctx.args.method](ctx)
     chunk_sizes = torch.unique(tr.chunk_id, return_counts=True)[1]
     assert (chunk_sizes.max() > 1) == bool(method_args)
     params, passes, velocity = adapter_params(ctx.policy), [], ctx.policy.velocity
     monkeypatch.setattr(ctx.policy, "velocity", lambda x, *a: passes.append(len(x)) or velocity(x, *a))
+    pieces, real_loss = [], fgc.grpo_loss
+    monkeypatch.setattr(fgc, "grpo_loss", lambda policy, cond, piece, *a: pieces.append(piece.chunk_id)
+                        or real_loss(policy, cond, piece, *a))
 
     def gradients(micro_batch):
         for p in params:
             p.grad = None
         passes.clear()
+        pieces.clear()
         args = dataclasses.replace(ctx.args, micro_batch=micro_batch)
         stats = fgc.accumulate_gradients(ctx.policy, ctx.cond, tr, args)
         return [p.grad.clone() for p in params], stats
@@ -820,7 +824,14 @@ def test_micro_batches_bound_every_pass_and_add_up_to_the_minibatch_gradient(met
     assert scale > 0
     for size in (1, 2, 3, 7):
         parts, parts_stats = gradients(size)
-        assert len(parts_stats) == math.ceil(len(tr) / size) > 1 and max(passes) <= size
+        largest = max(size, int(chunk_sizes.max()))
+        assert len(parts_stats) == len(pieces) > 1
+        assert max(passes) <= largest and all(len(piece) <= largest for piece in pieces)
+        assert sorted(torch.cat(pieces).tolist()) == sorted(tr.chunk_id.tolist()), "each transition once"
+        assert len(torch.unique(torch.cat([piece.unique() for piece in pieces]))) == len(chunk_sizes), "chunks whole"
+        assert all(len(a) + int((tr.chunk_id == b[0]).sum()) > size for a, b in zip(pieces, pieces[1:])), "filled"
+        if not method_args:
+            assert len(pieces) == math.ceil(len(tr) / size)
         for a, b in zip(whole, parts):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5 * scale)
     for p in params:
