@@ -14,7 +14,8 @@ Reading path: one Flow-GRPO iteration, each function in the order the code calls
     `rollout` (6), which calls `Policy.velocity` (3) and `sde_step` (5) at each step -> `Context.reward` (6) ->
     `Context.advantages` (6) -> `group_normalise` (6) -> `transitions_from` (6) -> `update` (8) ->
     `accumulate_gradients` (8) -> `grpo_loss` (8) -> `transition_log_probs` (8), `sde_step` at the stored x[k+1] ->
-    `chunk_log_ratios` (8) -> AdamW's step -> the moving average's -> `RunFolder.log` (9) -> `RunFolder.evaluate` (9).
+    `chunk_log_ratios` (8) -> AdamW's step -> the moving average's -> `RunFolder.log` (10) ->
+    `RunFolder.evaluate_if_due` (10).
 
 Paper symbols and their names here. x_t = (1 - t) x0 + t x1, x0 the image, x1 the noise: t = 1 is noise, t = 0 data; the
 model predicts v = x1 - x0. The states of a trajectory are x[k] (`states[:, k]`), k = 0..S along the time grid
@@ -42,7 +43,6 @@ import contextlib
 import copy
 import dataclasses
 import datetime
-import fcntl
 import hashlib
 import json
 import math
@@ -91,7 +91,7 @@ def segment_mean(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor,
     inverse = inverse.to(values.device)
     return values.new_zeros(len(uniq)).scatter_reduce(0, inverse, values, "mean", include_self=False), inverse
 
-@dataclass
+@dataclass(frozen=True)
 class Dist:
     """Where this process stands under torchrun (rank 0 of 1 without it); collectives run on `device`."""
 
@@ -100,7 +100,7 @@ class Dist:
     device: torch.device = torch.device("cpu")
 
     @staticmethod
-    def setup(device: torch.device) -> "Dist":
+    def join(device: torch.device) -> "Dist":
         """Join the process group torchrun describes: gloo on CPU, nccl with one GPU a rank."""
         world, cuda = int(os.environ.get("WORLD_SIZE", "1")), device.type == "cuda"
         if world == 1:
@@ -147,8 +147,8 @@ class Args:
     resolution: int = 512  # image size of a real model (the toy world is 16 px)
     dtype: str = "auto"  # fp32 or bf16 weights of a real model (auto: bf16 on CUDA); the SDE math stays fp32
     low_memory: bool = False  # real models, the 24 GB recipe: gradient checkpointing, text encoders on the CPU
-    micro_batch: int = 0  # samples a pass in sampling, training, reward, evaluation (0: toy all, sampling 128; real: 4)
-    iterations: int = 0  # GRPO iterations (sample, score, update); 0: the method's default (~5 toy minutes)
+    micro_batch: int = 0  # samples a pass in sampling, training, reward, evaluation (0: toy 128, real models 4)
+    iterations: int = 0  # GRPO iterations (sample, score, update) (0: the method's, METHODS)
     prompts_per_iter: int = 8  # prompts sampled per iteration
     group_size: int = 8  # images (or branches) that share one advantage normalisation
     steps: int = 10  # sampling steps during training (Flow-GRPO's denoising reduction: fewer than eval)
@@ -172,12 +172,12 @@ class Args:
     lr: float = 0.0  # AdamW learning rate of the LoRA parameters (0: the method's, 1e-3; g2rpo 3e-4)
     weight_decay: float = 1e-4  # AdamW weight decay
     max_grad_norm: float = 1.0  # global gradient-norm clip
-    ema: float = 0.9  # decay of the adapter's moving average (one update an iteration), evaluated and saved; 0: off
+    ema_decay: float = 0.9  # decay of the adapter's moving average (one update an iteration), evaluated, saved; 0: off
     inner_updates: int = 8  # optimizer steps per iteration (the samples are split into this many minibatches)
     train_fraction: float = 1.0  # fraction of the transitions (chunks) trained on, drawn at random (DanceGRPO)
     clip_range: float = 1e-3  # PPO clip epsilon of the per-dimension ratio: exp(D eps), 2.2, on the toy's image
     adv_clip: float = 5.0  # advantages are clamped to [-adv_clip, adv_clip]
-    beta: float = 0.0  # weight of the per-step Gaussian KL to the reference (LoRA disabled); 0: no reference pass
+    beta: float = 0.0  # weight of the per-step Gaussian KL to the base (LoRA disabled); 0: no pass of the base
     guidance: float = 0.0  # CFG scale on toy and SD3 (1: no negative branch), distilled on FLUX (0: 1, 4.5, 3.5)
     lora_rank: int = 0  # LoRA rank (0: toy 16, real models 32 as Flow-GRPO)
     lora_alpha: float = 0.0  # LoRA alpha, scale = alpha / rank (0: toy 16, real models 64 as Flow-GRPO)
@@ -185,10 +185,10 @@ class Args:
     # SDE (section 5)
     sde: str = "flow"  # SDE of the stochastic steps: flow (Flow-GRPO), ddim (Stepwise), cps (Flow-GRPO's CPS)
     noise_level: float = 0.0  # a of the flow SDE, eta of ddim and cps (0: the SDE's, 1.0, 1.0, 0.8; g2rpo 0.7)
-    min_std: float = 0.1  # a step trains only if its SDE std is at least this fraction of the median step's
+    min_std_ratio: float = 0.1  # a step trains only if its SDE std is at least this fraction of the median step's
 
     tweedie_substeps: int = 5  # stepwise: ODE sub-steps from each state to t=0 for its reward (1: plain Tweedie)
-    seeds: int = 2  # tempflow: initial noises per prompt; each seed and branch point holds group_size branches
+    noises_per_prompt: int = 2  # tempflow: initial noises a prompt; a noise and branch point hold group_size branches
     branch_steps: int = 3  # tempflow: branch points used per iteration, drawn at random (0: all)
     granularities: str = "1,2"  # g2rpo: granularities Lambda, every lambda-th node after the SDE step (paper: 1,2,3)
     chunks: str = "auto"  # chunk: sizes like 2,3,4, auto (from the relative-L1 profile) or paper (2,3,4,7 of 16 steps)
@@ -199,9 +199,81 @@ class Args:
     checkpoint_every: int = 10  # write checkpoint.pt every N iterations (and at the end); --run FOLDER resumes it
     max_nonfinite: int = 3  # stop after this many iterations in a row with non-finite rewards, advantages or gradient
 
-    @property
-    def sde_level(self) -> float:
-        return self.noise_level or SDE_LEVELS.get(self.sde, 1.0)
+
+
+CHOICES = {"sde": SDE_LEVELS, "dtype": ("auto", "fp32", "bf16"), "device": ("auto", "cpu", "cuda")}  # and METHODS
+RULES = {  # what a valid value of each flag is, and how to tell
+    ">= 0 (0: the method's default)": (["iterations", "lr"], lambda v: v >= 0),
+    ">= 2": (["group_size"], lambda v: v >= 2),
+    ">= 3": (["steps"], lambda v: v >= 3),
+    "> 0": (["clip_range", "max_grad_norm", "resolution"], lambda v: v > 0),
+    ">= 0": (["micro_batch", "noise_level", "min_std_ratio", "extra_penalty", "beta", "lora_rank", "lora_alpha",
+              "branch_steps"], lambda v: v >= 0),
+    ">= 1": (["prompts_per_iter", "eval_steps", "eval_every", "eval_per_tag", "curve_per_tag", "inner_updates",
+              "tweedie_substeps", "noises_per_prompt", "num_chunks", "checkpoint_every", "max_nonfinite"],
+             lambda v: v >= 1),
+    "0 or >= 1": (["guidance"], lambda v: v == 0 or v >= 1),
+    "in [0, 1)": (["ema_decay"], lambda v: 0 <= v < 1),
+    "in (0, 1]": (["train_fraction", "chunk_fraction"], lambda v: 0 < v <= 1),
+}
+
+def validate(args: Args) -> Args:
+    """Every bad input becomes one UsageError naming the flag and what is valid; -> `resolved(args)`."""
+    for name, options in {"method": METHODS, **CHOICES}.items():
+        if getattr(args, name) not in options:
+            raise UsageError(f"unknown --{name.replace('_', '-')} {getattr(args, name)!r}; choose {', '.join(options)}")
+    for valid, (names, ok) in RULES.items():
+        for name in names:
+            if not ok(getattr(args, name)):
+                raise UsageError(f"--{name.replace('_', '-')} must be {valid}, got {getattr(args, name)!r}")
+    args = resolved(args)
+    if args.sde != "flow" and args.noise_level > 1:
+        raise UsageError(f"--noise-level of the {args.sde} SDE must be in (0, 1], got {args.noise_level!r}")
+    if args.model != "toy" and args.model.startswith((".", "/", "~")) and not Path(args.model).expanduser().exists():
+        raise UsageError(f"--model {args.model}: no such folder (a diffusers pipeline folder or a hub id is expected)")
+    if any(n.startswith("toy") for n, _ in parse_reward(reward_spec(args))) and (args.model != "toy" or args.prompts):
+        raise UsageError("--reward toy scores the built-in toy prompts on the toy model; use pickscore or clip here")
+    if args.prompts and not Path(args.prompts).is_file():
+        raise UsageError(f"--prompts {args.prompts}: no such file (one prompt a line is expected)")
+    trainable = trainable_steps(shifted_grid(args.steps), args)
+    if not (trainable & (torch.arange(args.steps) < args.steps // 2 if args.method == "g2rpo" else True)).any():
+        raise UsageError(f"--method {args.method} with --sde {args.sde} and --steps {args.steps} has no step to train "
+                         "(nor the last or a near-deterministic one; g2rpo trains the first half); use more --steps")
+    parse_chunks(args.chunks, int(trainable.sum()))
+    parse_ints(args.full_evals, "--full-evals"), parse_ints(args.full_eval_nfe, "--full-eval-nfe")
+    lams = parse_ints(args.granularities, "--granularities")
+    if min(lams, default=0) < 1 or len(set(lams)) < len(lams):  # a repeated lambda would count its advantage twice
+        raise UsageError(f"--granularities must be distinct positive integers like 1,2,3, got {args.granularities!r}")
+    resolve_device(args.device)
+    return args
+
+def args_of(saved: dict) -> Args:
+    """The Args of a saved args.json or record's "args", written by any version of this file: fields that are gone
+    are dropped, the others take their present name (FORMER_NAMES)."""
+    saved = {FORMER_NAMES.get(k, k): v for k, v in saved.items()}
+    return Args(**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__})
+
+FORMER_NAMES = {"ema": "ema_decay", "min_std": "min_std_ratio", "seeds": "noises_per_prompt"}  # former -> now
+
+def resolved(args: Args) -> Args:
+    """`args` with each 0 that leaves a value to the method, the SDE or the model filled in (a real model's guidance:
+    the pipeline's), so that a run's args.json holds what ran; a method without a default is a UsageError."""
+    method = METHODS[args.method]
+    if missing := [k for k in ("iterations", "lr") if not getattr(args, k) and getattr(method, k) is None]:
+        flags = " and ".join(f"--{k}" for k in missing)
+        raise UsageError(f"--method {args.method} is registered without a default {' or '.join(missing)}: give {flags}")
+    own_level = method.noise_level if args.sde == "flow" else None  # a method's noise level is its flow SDE's a
+    model = ToyPolicy.defaults if args.model == "toy" else PipelinePolicy.defaults
+    return dataclasses.replace(args, iterations=args.iterations or method.iterations, lr=args.lr or method.lr,
+                               noise_level=args.noise_level or own_level or SDE_LEVELS[args.sde],
+                               **{k: getattr(args, k) or v for k, v in model.items()})
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    elif name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for but no CUDA device is available; use --device cpu or auto")
+    return torch.device(name)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -374,14 +446,15 @@ class Policy:
 class ToyPolicy(Policy):
     """A diffusers UNet2DConditionModel in pixel space ('latents' are pixels in [-1, 1]) and a CLIP text encoder."""
 
-    lora_defaults = (16, 16.0)  # (rank, alpha)
+    defaults = dict(micro_batch=128, guidance=1.0, lora_rank=16, lora_alpha=16.0)  # 128: on a CPU faster than more
+
     lora_targets = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2",
                     "conv1", "conv2"]  # attention, feed-forward and the resnets' convolutions
 
-    def __init__(self, unet, text_encoder, tokenizer, guidance: float = 0.0):
+    def __init__(self, unet, text_encoder, tokenizer, guidance: float = 1.0):
         self.net = self.denoiser = unet
         self.text_encoder, self.tokenizer = text_encoder.requires_grad_(False), tokenizer
-        self.cfg = guidance or 1.0
+        self.cfg = guidance
         self.empty = self.encode([""])
 
     def encode(self, prompts: list[str], device=None) -> dict:
@@ -411,6 +484,7 @@ def load_toy(args: Args, device) -> ToyPolicy:
     """The toy model: the shipped base, or --toy-base FOLDER (unet, text_encoder, tokenizer, saved by diffusers)."""
     from diffusers import UNet2DConditionModel
     from transformers import CLIPTextModel, PreTrainedTokenizerFast
+    args = resolved(args)  # the toy's guidance
     if not (folder := toy_folder(args)).is_dir():
         raise UsageError(f"--toy-base {folder}: no such folder (notebooks/toy_base.py writes one)")
     return ToyPolicy(UNet2DConditionModel.from_pretrained(folder / "unet").to(device).eval(),
@@ -420,19 +494,22 @@ def load_toy(args: Args, device) -> ToyPolicy:
 class PipelinePolicy(Policy):
     """SD3 / SD3.5 (real CFG) or FLUX.1 (guidance-distilled: one pass a step) on the VAE's latents (FLUX: packed)."""
 
-    lora_defaults = (32, 64.0)  # Flow-GRPO's r and alpha on SD3.5
+    defaults = dict(micro_batch=4, lora_rank=32, lora_alpha=64.0)  # Flow-GRPO's r and alpha on SD3.5
+    guidance_defaults = {"sd3": 4.5, "flux": 3.5}  # the pipelines' own (FLUX's is distilled: an input, not CFG)
+
     lora_targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 
     def __init__(self, pipe, args: Args, device):
         from diffusers import FluxPipeline
         self.pipe, self.net, self.denoiser, self.args = pipe, pipe.transformer, pipe.transformer, args
         self.flux, self.size = isinstance(pipe, FluxPipeline), args.resolution
-        step = pipe.vae_scale_factor * (2 if self.flux else self.net.config.patch_size)  # pixels a side of a token
-        largest = None if self.flux else self.net.config.pos_embed_max_size * step  # SD3's position embedding
-        if self.size % step or (largest and self.size > largest):
+        token_px = pipe.vae_scale_factor * (2 if self.flux else self.net.config.patch_size)  # pixels a side of a token
+        largest = None if self.flux else self.net.config.pos_embed_max_size * token_px  # SD3's position embedding
+        if self.size % token_px or (largest and self.size > largest):
             at_most = f" and at most {largest}" if largest else ""
-            raise UsageError(f"--resolution {self.size}: this model needs a multiple of {step}{at_most}")
-        self.cfg = 1.0 if self.flux else args.guidance or 4.5
+            raise UsageError(f"--resolution {self.size}: this model needs a multiple of {token_px}{at_most}")
+        self.guidance = args.guidance or self.guidance_defaults["flux" if self.flux else "sd3"]
+        self.cfg = 1.0 if self.flux else self.guidance
         pipe.to(device)  # the text encoders too, until encode() parks them on the CPU under --low-memory
         if args.low_memory:
             self.net.enable_gradient_checkpointing()
@@ -447,10 +524,10 @@ class PipelinePolicy(Policy):
     def time_grid(self, steps: int) -> torch.Tensor:
         """(steps + 1,) sigmas as the pipeline sets them (SD3's static shift, FLUX's dynamic one)."""
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-        scheduler, cfg = self.pipe.scheduler, self.pipe.scheduler.config  # set anew on each call, as pipelines do
-        if cfg.get("use_dynamic_shifting"):
-            mu = calculate_shift(self.latent_shape(1)[1], cfg.base_image_seq_len, cfg.max_image_seq_len,
-                                 cfg.base_shift, cfg.max_shift)
+        scheduler, config = self.pipe.scheduler, self.pipe.scheduler.config  # set anew on each call, as pipelines do
+        if config.get("use_dynamic_shifting"):
+            mu = calculate_shift(self.latent_shape(1)[1], config.base_image_seq_len, config.max_image_seq_len,
+                                 config.base_shift, config.max_shift)
             scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
         else:
             scheduler.set_timesteps(steps)
@@ -464,7 +541,7 @@ class PipelinePolicy(Policy):
         found = {p: self.cache.pop(p) for p in dict.fromkeys(prompts) if p in self.cache}
         if new := [p for p in dict.fromkeys(prompts) if p not in found]:
             self.encoders.to(self.device)  # --low-memory keeps them on the CPU between uses
-            size = self.args.micro_batch or len(new)
+            size = self.args.micro_batch
             for batch in (new[i:i + size] for i in range(0, len(new), size)):
                 if self.flux:
                     emb, pool, _ = self.pipe.encode_prompt(batch, batch, self.device, max_sequence_length=512)
@@ -487,17 +564,17 @@ class PipelinePolicy(Policy):
             kw["txt_ids"] = torch.zeros(cond["encoder_hidden_states"].shape[1], 3, device=x.device)
             kw["img_ids"] = self.pipe._prepare_latent_image_ids(1, h, h, x.device, dtype)
             if self.net.config.guidance_embeds:
-                kw["guidance"] = torch.full((len(x),), self.args.guidance or 3.5, device=x.device, dtype=dtype)
+                kw["guidance"] = torch.full((len(x),), self.guidance, device=x.device, dtype=dtype)
         return self.denoiser(x.to(dtype), timestep=t if self.flux else t * 1000, **kw, return_dict=False)[0].float()
 
     @torch.no_grad()
     def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """Latents -> images (N, 3, H, W) in [0, 1], `micro_batch` (or 8) latents at a time."""
+        """Latents -> images (N, 3, H, W) in [0, 1], `micro_batch` latents at a time."""
         vae = self.pipe.vae
         if self.flux:
             x = self.pipe._unpack_latents(x, self.size, self.size, self.pipe.vae_scale_factor)
         x = x / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-        images = [vae.decode(batch.to(vae.dtype)).sample.float() for batch in x.split(self.args.micro_batch or 8)]
+        images = [vae.decode(batch.to(vae.dtype)).sample.float() for batch in x.split(self.args.micro_batch)]
         return torch.cat(images).add(1).div(2).clamp(0, 1)
 
 def load_policy(args: Args, device) -> Policy:
@@ -538,17 +615,17 @@ def toy_strict_reward(images: torch.Tensor, metas: list[dict], penalty: float) -
     scores = score_batch(images, metas)
     return scores["dense"] / 2 + scores["strict"] / 2 - penalty * (scores["extra"] + scores["missing"])
 
-def clip_reward(kind: str, model: str, device):
+def clip_reward(name: str, model: str, device):
     """pickscore: exp(logit_scale) cos(E_img, E_txt) / 26 (Kirstain et al. 2023; / 26 as Flow-GRPO);
     clip: CLIPScore = 2.5 max(cos(E_img, E_txt), 0) (Hessel et al. 2021). Batched on the device."""
     from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer, CLIPModel
-    model, processor = (model, model) if model else CLIP_DEFAULTS[kind]
+    model, processor = (model, model) if model else CLIP_DEFAULTS[name]
     try:
         model_type = AutoConfig.from_pretrained(model).model_type
     except (OSError, ValueError) as e:
         raise UsageError(f"--reward-model {model!r}: cannot load it ({str(e).splitlines()[0][:160]})") from None
     if model_type != "clip":
-        raise UsageError(f"--reward-model {model!r} is a {model_type!r} model; {kind} needs a CLIP model")
+        raise UsageError(f"--reward-model {model!r} is a {model_type!r} model; {name} needs a CLIP model")
     clip = CLIPModel.from_pretrained(model).to(device).eval().requires_grad_(False)
     ip, tok = AutoImageProcessor.from_pretrained(processor), AutoTokenizer.from_pretrained(processor)
     size = clip.config.vision_config.image_size  # the processor's crop size
@@ -559,7 +636,7 @@ def clip_reward(kind: str, model: str, device):
         text = tok([m["prompt"] for m in metas], padding=True, truncation=True, return_tensors="pt",
                    max_length=min(77, tok.model_max_length)).to(device)
         out = clip(pixel_values=(pixels - mean) / std, **text)
-        if kind == "pickscore":
+        if name == "pickscore":
             return out.logits_per_image.diag() / 26
         return 2.5 * (out.image_embeds * out.text_embeds).sum(-1).clamp_min(0)
     return score
@@ -603,7 +680,7 @@ def ode_step(x: torch.Tensor, v: torch.Tensor, t, t_next) -> torch.Tensor:
     """Euler step of the probability-flow ODE: x[k+1] = x[k] - (t_k - t_{k+1}) v."""
     return x + (_as_column(t_next, x) - _as_column(t, x)) * v
 
-def sde_step(x, v, t, t_next, *, kind="flow", noise_level=None, noise=None, prev_sample=None, generator=None):
+def sde_step(x, v, t, t_next, *, kind="flow", noise_level=None, noise=None, prev_sample=None, gen=None):
     """One SDE step x[k] -> x[k+1] ~ N(mean, std^2 I), dt = t - t_next -> (x_next, log_prob (B,), mean, std (B,)):
     flow (Flow-GRPO, arXiv 2505.05470 Eq. 9): sigma_t = a sqrt(t / (1 - t)) (t_next in the denominator at t = 1,
          as the official code), mean = x - dt [v + sigma_t^2 / (2t) x1_hat], std = sigma_t sqrt(dt);
@@ -626,7 +703,7 @@ def sde_step(x, v, t, t_next, *, kind="flow", noise_level=None, noise=None, prev
         # ddim: std 0 at t = 1, the first step deterministic and never trained (Deviation 5)
         mean = (1 - tn) * x0_hat + torch.sqrt((tn**2 - std**2).clamp_min(0)) * x1_hat
     if prev_sample is None:
-        noise = torch.randn(x.shape, generator=generator) if noise is None else noise  # on the CPU, moved below
+        noise = torch.randn(x.shape, generator=gen) if noise is None else noise  # on the CPU, moved below
         prev_sample = mean + std * noise.to(x.device).float()
     prev_sample, safe_std = prev_sample.detach().float(), torch.where(std > 0, std, torch.ones_like(std))
     log_density = -((prev_sample - mean) ** 2) / (2 * safe_std**2) - torch.log(safe_std) - 0.5 * math.log(2 * math.pi)
@@ -648,14 +725,14 @@ def shifted_grid(steps: int, shift: float = 1.0) -> torch.Tensor:
 def step_stds(grid: torch.Tensor, args: Args) -> torch.Tensor:
     """(S,) transition std of the SDE at each step of `grid` (it does not depend on the state)."""
     z = torch.zeros(len(grid) - 1, 1)
-    return sde_step(z, z, grid[:-1], grid[1:], kind=args.sde, noise_level=args.sde_level, noise=z)[3]
+    return sde_step(z, z, grid[:-1], grid[1:], kind=args.sde, noise_level=args.noise_level, noise=z)[3]
 
 def trainable_steps(grid: torch.Tensor, args: Args) -> torch.Tensor:
-    """(S,) bool: not the last step, as Flow-GRPO trains 0..S-2, and a std of at least `min_std` times the median
+    """(S,) bool: not the last step, as Flow-GRPO trains 0..S-2, and a std of at least `min_std_ratio` times the median
     stochastic step's: a near-deterministic step's log-prob gradient (1 / std) is 30 to 80 times the median's, outweighs
     every step and swings the ratio past any clip, moving the image by under a pixel."""
     stds, n_steps = step_stds(grid, args), len(grid) - 1
-    floor = args.min_std * stds[stds > 0].median()
+    floor = args.min_std_ratio * stds[stds > 0].median()
     return (stds > 0) & (stds >= floor) & (torch.arange(n_steps) < n_steps - 1)
 
 
@@ -664,10 +741,10 @@ def trainable_steps(grid: torch.Tensor, args: Args) -> torch.Tensor:
 
 @dataclass
 class Meter:
-    """Per-image forward passes (a CFG step counts 2) and reward calls."""
+    """Per-image forward passes (a CFG step counts 2) and images scored."""
 
     nfe: int = 0
-    reward_calls: int = 0
+    images_scored: int = 0
 
 @dataclass
 class Trajectory:
@@ -675,7 +752,7 @@ class Trajectory:
     times: torch.Tensor  # (B, S+1)
     log_probs: torch.Tensor  # (B, S): log pi_old of each transition (0 for ODE steps)
     stds: torch.Tensor  # (B, S): transition std (0 for ODE steps)
-    velocities: torch.Tensor  # (B, S, C, H, W): v at states[:, k], kept for Stepwise's free Tweedie step
+    velocities: torch.Tensor  # (B, S, C, H, W): v at states[:, k], a free first step from a state (branches, Tweedie)
 
 @torch.no_grad()
 def rollout(policy, cond: dict, x: torch.Tensor, times: torch.Tensor, stochastic, args: Args, meter: Meter,
@@ -685,7 +762,7 @@ def rollout(policy, cond: dict, x: torch.Tensor, times: torch.Tensor, stochastic
     b = x.shape[0]
     times = times.expand(b, -1).to(x.device)  # (B, S+1)
     states, steps = [x], []
-    batches = torch.arange(b, device=x.device).split(args.micro_batch or 128)  # 0: 128, on a CPU faster than more
+    batches = torch.arange(b, device=x.device).split(args.micro_batch)
     for k in range(times.shape[1] - 1):
         t, t_next = times[:, k], times[:, k + 1]
         if k == 0 and v_first is not None:
@@ -694,7 +771,7 @@ def rollout(policy, cond: dict, x: torch.Tensor, times: torch.Tensor, stochastic
             v = torch.cat([policy.velocity(x[i], t[i], {n: c[i] for n, c in cond.items()}) for i in batches])
             meter.nfe += b * policy.passes
         if stochastic[k]:
-            x, log_prob, _, std = sde_step(x, v, t, t_next, kind=args.sde, noise_level=args.sde_level, generator=gen)
+            x, log_prob, _, std = sde_step(x, v, t, t_next, kind=args.sde, noise_level=args.noise_level, gen=gen)
         else:
             x, log_prob, std = ode_step(x, v, t, t_next), x.new_zeros(b), x.new_zeros(b)
         states.append(x)
@@ -721,7 +798,7 @@ class Transitions:
     prompt: torch.Tensor  # (N,) long, CPU: index into this iteration's prompts
     chunk_id: torch.Tensor  # (N,) long, CPU: transitions with the same id share one ratio
     state_id: torch.Tensor  # (N,) long, CPU: transitions with the same id share x, t and prompt
-    step: torch.Tensor  # (N,) long, CPU: index k of the transition on the base grid
+    step: torch.Tensor  # (N,) long, CPU: index k of the transition on the training grid
 
     def __len__(self) -> int:
         return len(self.t)
@@ -734,11 +811,11 @@ class Transitions:
     @staticmethod
     def cat(batches: list["Transitions"]) -> "Transitions":
         """Concatenation that keeps every batch's chunks and states apart."""
-        ids = {name: np.cumsum([0] + [int(vars(b)[name].max()) + 1 if len(b) else 0 for b in batches[:-1]])
+        ids = {name: np.cumsum([0] + [int(vars(tr)[name].max()) + 1 if len(tr) else 0 for tr in batches[:-1]])
                for name in ("chunk_id", "state_id")}  # each batch's offsets
-        batches = [dataclasses.replace(b, **{name: vars(b)[name] + int(offsets[i]) for name, offsets in ids.items()})
-                   for i, b in enumerate(batches)]
-        return Transitions(**{name: torch.cat([vars(b)[name] for b in batches]) for name in vars(batches[0])})
+        batches = [dataclasses.replace(tr, **{name: vars(tr)[name] + int(offsets[i]) for name, offsets in ids.items()})
+                   for i, tr in enumerate(batches)]
+        return Transitions(**{name: torch.cat([vars(tr)[name] for tr in batches]) for name in vars(batches[0])})
 
 def transitions_from(traj: Trajectory, prompt: torch.Tensor, advantage, train_mask, *, weight=1.0, chunk_id=None,
                      state_id=None, first_step: int = 0) -> Transitions:
@@ -789,7 +866,7 @@ class Context:
 
     def __post_init__(self):
         self.shared_gen = self.shared_gen or self.gen
-        self.group_size = self.args.group_size // self.dist.world  # members of each group on this rank
+        self.group_per_rank = self.args.group_size // self.dist.world  # members of each group on this rank
         self.trainable = trainable_steps(self.grid, self.args)  # (S,) bool: the steps a method may train
 
     def cond_of(self, prompt: torch.Tensor) -> dict:
@@ -803,8 +880,8 @@ class Context:
 
     def reward(self, x: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
         """Decode and score latents x (N, C, H, W) of prompts `prompt` (N,) -> (N,), `micro_batch` at a time."""
-        self.meter.reward_calls += len(x)
-        size = self.args.micro_batch or len(x)
+        self.meter.images_scored += len(x)
+        size = self.args.micro_batch
         return torch.cat([self.reward_fn(self.policy.decode(xs), [self.metas[i] for i in ps.tolist()]).to(x.device)
                           for xs, ps in zip(x.split(size), prompt.split(size))])
 
@@ -815,7 +892,7 @@ class Context:
         self.stats.setdefault("zero_std", []).append(flat)
         return adv[self.dist.rank * n:(self.dist.rank + 1) * n]
 
-def repeat(x: torch.Tensor, g: int) -> torch.Tensor:
+def repeat_each(x: torch.Tensor, g: int) -> torch.Tensor:
     """(B, ...) -> (B*G, ...): each entry repeated g times, groups contiguous."""
     return x.repeat_interleave(g, dim=0)
 
@@ -831,8 +908,8 @@ def flow_grpo(ctx: Context):
 
     All steps SDE from independent noises; one advantage per image, broadcast to every trained step (not the last):
         A_i = (R_i - mean_group R) / (std_group R + 1e-4)."""
-    b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
-    prompt = repeat(torch.arange(b), g)  # (B*G,)
+    b, g, n_steps = len(ctx.metas), ctx.group_per_rank, len(ctx.grid) - 1
+    prompt = repeat_each(torch.arange(b), g)  # (B*G,)
     traj = ctx.sample(prompt, initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, [True] * n_steps)
     r = ctx.reward(traj.states[:, -1], prompt)  # (B*G,)
     adv = ctx.advantages(r, prompt)[:, None]  # (B*G, 1) -> every step
@@ -846,20 +923,20 @@ def stepwise(ctx: Context):
     (trajectory, step)s:
         gain[i, k] = r[i, k+1] - r[i, k],   A = (gain - mean_{i,k} gain) / std_{i,k} gain.
     Differs from flow_grpo by: per-step gains instead of one broadcast advantage; shared initial noise per group."""
-    b, g, n_steps, n = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1, ctx.args.tweedie_substeps
-    prompt = repeat(torch.arange(b), g)  # (B*G,)
+    b, g, n_steps, n = len(ctx.metas), ctx.group_per_rank, len(ctx.grid) - 1, ctx.args.tweedie_substeps
+    prompt = repeat_each(torch.arange(b), g)  # (B*G,)
     # one noise a group, as the paper: a trajectory's gains telescope to r[i, S] - r[i, 0], and r[i, 0] is then the
     # same for the whole group, so the gains' sum ranks the group's images as their final rewards do
-    traj = ctx.sample(prompt, repeat(initial_noise(ctx.policy, b, ctx.shared_gen), g), ctx.grid, [True] * n_steps)
+    traj = ctx.sample(prompt, repeat_each(initial_noise(ctx.policy, b, ctx.shared_gen), g), ctx.grid, [True] * n_steps)
     # k = 0: x[0] is the group's shared noise, so its estimate and reward are a group constant, computed once a group
-    first = [traj.states[::g, 0], traj.velocities[::g, 0], traj.times[::g, 0]]  # (B, ...) the group's first member
-    r_first = ctx.reward(x0_estimate(ctx, torch.arange(b), *first, n), torch.arange(b))  # (B,)
+    leader = [traj.states[::g, 0], traj.velocities[::g, 0], traj.times[::g, 0]]  # (B, ...) each group's first
+    r_first = ctx.reward(x0_estimate(ctx, torch.arange(b), *leader, n), torch.arange(b))  # (B,)
     # k = 1..S-1 by Tweedie from the sampled states, then k = S, the final image, as it is
     x, v, t = traj.states[:, 1:-1].flatten(0, 1), traj.velocities[:, 1:].flatten(0, 1), traj.times[:, 1:-1].flatten()
-    x0_hat = x0_estimate(ctx, repeat(prompt, n_steps - 1), x, v, t, n).view(b * g, n_steps - 1, *x.shape[1:])
-    scored = torch.cat([x0_hat, traj.states[:, -1:]], 1).flatten(0, 1)  # (B*G*S, C, H, W)
-    r_later = ctx.reward(scored, repeat(prompt, n_steps)).view(b * g, n_steps)  # (B*G, S)
-    r = torch.cat([repeat(r_first, g)[:, None], r_later], 1)  # (B*G, S+1)
+    x0_est = x0_estimate(ctx, repeat_each(prompt, n_steps - 1), x, v, t, n).view(b * g, n_steps - 1, *x.shape[1:])
+    scored = torch.cat([x0_est, traj.states[:, -1:]], 1).flatten(0, 1)  # (B*G*S, C, H, W)
+    r_later = ctx.reward(scored, repeat_each(prompt, n_steps)).view(b * g, n_steps)  # (B*G, S)
+    r = torch.cat([repeat_each(r_first, g)[:, None], r_later], 1)  # (B*G, S+1)
     adv = gain_advantages(ctx, r, prompt)  # (B*G, S); the last step's gain is normalised, not trained (Deviation 6)
     return transitions_from(traj, prompt, adv, ctx.trainable), r[:, -1]
 
@@ -873,19 +950,19 @@ def x0_estimate(ctx: Context, prompt, x, v, t, n: int) -> torch.Tensor:
 def gain_advantages(ctx: Context, r: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
     """Rewards r (B*G, S+1) -> gains r[:, k+1] - r[:, k] (B*G, S), normalised over each prompt's (trajectory, step)."""
     gains = r[:, 1:] - r[:, :-1]  # (B*G, S)
-    return ctx.advantages(gains.flatten(), repeat(prompt, gains.shape[1])).view_as(gains)
+    return ctx.advantages(gains.flatten(), repeat_each(prompt, gains.shape[1])).view_as(gains)
 
 def tempflow(ctx: Context):
     """TempFlow-GRPO (arXiv 2508.04324v3, ICLR 2026; code Shredded-Pork/TempFlow-GRPO@e66824e): trajectory
     branching, seed groups (one group: the children of one prompt, noise and k, as its code), Eq. 7's weights.
 
-    ODE path per (prompt, seed); at a bifurcation step k, G children take one SDE step from its state x[k] (with the
-    path's velocity there), then ODE; advantage of R_k^j over the G children of (prompt, seed, k); weight
+    ODE path per (prompt, noise); at a bifurcation step k, G children take one SDE step from its state x[k] (with the
+    path's velocity there), then ODE; advantage of R_k^j over the G children of (prompt, noise, k); weight
     w_k = std_k / mean_{trained} std.
     Differs from flow_grpo by: one stochastic step per rollout; per-step rewards; noise-aware weights."""
-    b, g, n_steps, seeds = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1, ctx.args.seeds
-    prompt = repeat(torch.arange(b), seeds)  # (B*seeds,)
-    ode_path = ctx.sample(prompt, initial_noise(ctx.policy, b * seeds, ctx.shared_gen), ctx.grid, [False] * n_steps)
+    b, g, n_steps, noises = len(ctx.metas), ctx.group_per_rank, len(ctx.grid) - 1, ctx.args.noises_per_prompt
+    prompt = repeat_each(torch.arange(b), noises)  # (B*noises,)
+    ode_path = ctx.sample(prompt, initial_noise(ctx.policy, b * noises, ctx.shared_gen), ctx.grid, [False] * n_steps)
     stds = step_stds(ctx.grid, ctx.args)
     weight = stds / stds[ctx.trainable].mean()  # (S,) Norm(sigma_t sqrt(dt)) to mean 1 over trained steps
     ks = torch.nonzero(ctx.trainable).flatten()  # the branch points: `branch_steps` of them at random (Deviation 7)
@@ -893,15 +970,15 @@ def tempflow(ctx: Context):
         ks = ks[torch.randperm(len(ks), generator=ctx.shared_gen)[: ctx.args.branch_steps]].sort().values
     branches, rewards = [], []
     for k in ks.tolist():
-        child_prompt, path = repeat(prompt, g), repeat(torch.arange(b * seeds), g)  # (B*seeds*G,) each child's
+        child_prompt, path_id = repeat_each(prompt, g), repeat_each(torch.arange(b * noises), g)  # (B*noises*G,)
         sde_once = [True] + [False] * (n_steps - k - 1)  # one SDE step at k, then the ODE
-        branch = ctx.sample(child_prompt, ode_path.states[path, k], ctx.grid[k:], sde_once,
-                            ode_path.velocities[path, k])
+        branch = ctx.sample(child_prompt, ode_path.states[path_id, k], ctx.grid[k:], sde_once,
+                            ode_path.velocities[path_id, k])
         r = ctx.reward(branch.states[:, -1], child_prompt)
-        adv = ctx.advantages(r, path)[:, None]  # per (prompt, seed, k)
+        adv = ctx.advantages(r, path_id)[:, None]  # per (prompt, noise, k)
         only_first = torch.arange(n_steps - k) == 0
         branches.append(transitions_from(branch, child_prompt, adv, only_first, weight=weight[k],
-                                         state_id=path[:, None], first_step=k))
+                                         state_id=path_id[:, None], first_step=k))
         rewards.append(r)
     return Transitions.cat(branches), torch.cat(rewards)
 
@@ -914,24 +991,24 @@ def g2rpo(ctx: Context):
     (every lambda-th node after t_{k+1}, to t = 0):
         A_k^i = sum_lambda (R_k^{i,lambda} - mean_i) / std_i.
     Differs from flow_grpo by: a shared ODE anchor; one SDE step per rollout; per-step, multi-granularity rewards."""
-    b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
+    b, g, n_steps = len(ctx.metas), ctx.group_per_rank, len(ctx.grid) - 1
     prompt = torch.arange(b)
     anchor = ctx.sample(prompt, initial_noise(ctx.policy, b, ctx.shared_gen), ctx.grid, [False] * n_steps)
     first_half = ctx.trainable & (torch.arange(n_steps) < n_steps // 2)
     branches, rewards, lams = [], [], sorted(parse_ints(ctx.args.granularities, "--granularities"))
     for k in torch.nonzero(first_half).flatten().tolist():  # every branch point, as its code
-        child_prompt = repeat(prompt, g)  # (B*G,)
-        sde = ctx.sample(child_prompt, anchor.states[child_prompt, k], ctx.grid[k:k + 2], [True],
+        child_prompt = repeat_each(prompt, g)  # (B*G,)
+        branch = ctx.sample(child_prompt, anchor.states[child_prompt, k], ctx.grid[k:k + 2], [True],
                          anchor.velocities[child_prompt, k])
-        adv = torch.zeros(b * g, device=sde.states.device)  # (B*G,) fused over granularities
+        adv = torch.zeros(b * g, device=branch.states.device)  # (B*G,) fused over granularities
         for lam in lams:
             coarse = continuation_grid(ctx.grid, k + 1, lam)
-            end = ctx.sample(child_prompt, sde.states[:, -1], coarse, [False] * (len(coarse) - 1))
+            end = ctx.sample(child_prompt, branch.states[:, -1], coarse, [False] * (len(coarse) - 1))
             r = ctx.reward(end.states[:, -1], child_prompt)
             adv += ctx.advantages(r, child_prompt)
             if lam == lams[0]:  # the finest images are logged, as other methods' final images
                 rewards.append(r)
-        branches.append(transitions_from(sde, child_prompt, adv[:, None], [True], state_id=child_prompt[:, None],
+        branches.append(transitions_from(branch, child_prompt, adv[:, None], [True], state_id=child_prompt[:, None],
                                          first_step=k))
     return Transitions.cat(branches), torch.cat(rewards)
 
@@ -947,8 +1024,8 @@ def chunk(ctx: Context):
     consecutive trained steps form chunks of one importance ratio each; a fraction may be trained, drawn by mean
     relative L1:  ratio_j = exp( mean_{k in chunk j} (log pi_theta - log pi_old) ).
     Differs from flow_grpo by: chunk ids that make the shared loss use chunk-level ratios."""
-    b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
-    prompt = repeat(torch.arange(b), g)  # (B*G,)
+    b, g, n_steps = len(ctx.metas), ctx.group_per_rank, len(ctx.grid) - 1
+    prompt = repeat_each(torch.arange(b), g)  # (B*G,)
     traj = ctx.sample(prompt, initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, [True] * n_steps)
     r = ctx.reward(traj.states[:, -1], prompt)
     adv = ctx.advantages(r, prompt)[:, None]
@@ -957,8 +1034,8 @@ def chunk(ctx: Context):
     of_step[train_mask] = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
     n_train = max(1, int(len(sizes) * ctx.args.chunk_fraction))
     if n_train < len(sizes):
-        rel = relative_l1(traj.states).cpu()  # (B*G, S)
-        per_chunk = torch.stack([rel[:, of_step == j].mean(1) for j in range(len(sizes))], 1)  # (B*G, K)
+        rel_l1 = relative_l1(traj.states).cpu()  # (B*G, S)
+        per_chunk = torch.stack([rel_l1[:, of_step == j].mean(1) for j in range(len(sizes))], 1)  # (B*G, K)
         w = per_chunk + 1e-8 if ctx.args.weighted_chunks else torch.ones_like(per_chunk)
         chosen = torch.multinomial(w, n_train, generator=ctx.gen)  # (B*G, n_train)
         train_mask = torch.zeros(b * g, len(sizes) + 1, dtype=torch.bool).scatter_(1, chosen, True)[:, of_step]
@@ -973,12 +1050,12 @@ def relative_l1(states: torch.Tensor) -> torch.Tensor:
 def chunks_from_profile(profile: torch.Tensor, num_chunks: int) -> list[int]:
     """Chunk sizes splitting the relative-L1 profile's variation equally: fast steps, small chunks (Deviation 9)."""
     n = len(profile)
-    k = min(num_chunks, n)
+    n_chunks = min(num_chunks, n)
     change = torch.cat([profile[1:2] - profile[:1], profile[1:] - profile[:-1]]).abs() + 1e-6  # (S,)
     cum = torch.cumsum(change, 0) / change.sum()
-    i = torch.arange(1, k)  # (k-1,) inner boundaries; end i of chunk i - 1 lies in [i, n - k + i]
-    ends = torch.searchsorted(cum, i / k) + 1 - i  # minus i: "each chunk >= 1 step" becomes "non-decreasing"
-    ends = ends.clamp(0, n - k).cummax(0).values + i
+    i = torch.arange(1, n_chunks)  # (K-1,) inner boundaries; end i of chunk i - 1 lies in [i, n - K + i]
+    ends = torch.searchsorted(cum, i / n_chunks) + 1 - i  # minus i: "each chunk >= 1 step" becomes "non-decreasing"
+    ends = ends.clamp(0, n - n_chunks).cummax(0).values + i
     return torch.diff(ends, prepend=torch.tensor([0]), append=torch.tensor([n])).tolist()
 
 def parse_chunks(text: str, n_trained: int) -> list[int] | None:
@@ -1006,41 +1083,50 @@ def chunk_sizes_of(policy, args: Args, grid: torch.Tensor, dist: Dist = Dist()) 
     sizes = chunks_from_profile(relative_l1(traj.states).mean(0)[trainable].cpu(), args.num_chunks)
     return dist.gather(torch.tensor(sizes, device=dist.device))[: len(sizes)].tolist()  # rank 0's on every rank
 
-CREDIT_ASSIGNMENT = {"flow_grpo": flow_grpo, "stepwise": stepwise, "tempflow": tempflow, "g2rpo": g2rpo, "chunk": chunk}
-# What a flag left at 0 means for each method (--iterations: 5 to 9 toy minutes on 2 CPU cores; G2RPO: Deviation 4).
-METHOD_DEFAULTS = {"flow_grpo": dict(iterations=64, lr=1e-3), "stepwise": dict(iterations=32, lr=1e-3),
-                   "tempflow": dict(iterations=40, lr=1e-3), "g2rpo": dict(iterations=32, lr=3e-4, noise_level=0.7),
-                   "chunk": dict(iterations=56, lr=1e-3)}
+@dataclass(frozen=True)
+class Method:
+    """A credit assignment and the defaults it trains with, which --iterations 0 and --lr 0 take (None: none, and
+    the flag must be given); `noise_level`: the flow SDE's a (None: the SDE's own, SDE_LEVELS)."""
+
+    assign: object  # (Context) -> (Transitions to train on, rewards (N,) for logging)
+    iterations: int | None = None  # 5 to 9 toy minutes on 2 CPU cores
+    lr: float | None = None
+    noise_level: float | None = None
+
+METHODS = {"flow_grpo": Method(flow_grpo, iterations=64, lr=1e-3), "stepwise": Method(stepwise, iterations=32, lr=1e-3),
+           "tempflow": Method(tempflow, iterations=40, lr=1e-3),
+           "g2rpo": Method(g2rpo, iterations=32, lr=3e-4, noise_level=0.7),  # Deviation 4
+           "chunk": Method(chunk, iterations=56, lr=1e-3)}
 
 
 # ----------------------------------------------------------------------------------------------------
 # 8 GRPO loss and update (shared)
 
-def grpo_loss(policy, cond: dict, tr: Transitions, args: Args, whole: tuple | None = None):
-    """PPO's clipped surrogate, as every official code writes it for GRPO -> (loss, stats):
+def grpo_loss(policy, cond: dict, tr: Transitions, args: Args, minibatch: Transitions | None = None):
+    """PPO's clipped surrogate, as every official code writes it for GRPO, on chunks -> (loss, stats):
         ratio = exp(log pi_theta(x[k+1] | x[k]) - log pi_old(x[k+1] | x[k]))     per transition
         loss  = mean w max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps))  +  beta mean_k KL_k
     Chunk-GRPO's generalisation: a chunk's transitions share one ratio, exp of their mean log-ratio, and the mean runs
     over chunks (every other method's chunk is one transition). The clip acts on the D-th root of the likelihood
     ratio: on the whole image exp(D eps), 2.2 on the toy (D = 768, eps = 1e-3), 700 on SD3.5 at 512 px (D = 65,536,
     eps = 1e-4). approx_kl is 1/2 E[log_ratio^2], the k2 estimate Flow-GRPO's and DDPO's codes log; the KL is to the
-    adapter-disabled reference (Deviation 2). `whole` = (minibatch, tr's indices in it, its log-ratios (N,) without
-    gradient, or None) for a micro-batch `tr`: sums divide by the minibatch's counts, and a chunk's members outside
-    `tr` enter its ratio frozen, so each micro-batch backpropagates exactly its members' share of the gradient."""
+    adapter-disabled base (Deviation 2). `tr` is whole chunks of `minibatch` (default: all of it), whose chunk and
+    transition counts the sums divide by, so that the pieces' gradients add up to the minibatch's."""
     log_prob, mean = transition_log_probs(policy, cond, tr, args)
-    log_ratio = chunk_log_ratios(log_prob, tr.log_prob, tr.chunk_id, whole)  # (K,) chunks; K = N but in Chunk-GRPO
-    ratio = torch.exp(log_ratio)
+    log_ratio = chunk_log_ratios(log_prob, tr.log_prob, tr.chunk_id)  # (K,) chunks; K = N but in Chunk-GRPO
     adv = segment_mean(tr.advantage, tr.chunk_id)[0].clamp(-args.adv_clip, args.adv_clip)  # (K,)
+    weight = segment_mean(tr.weight, tr.chunk_id)[0]  # (K,)
+    ratio = torch.exp(log_ratio)
     clipped = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
-    policy_terms = segment_mean(tr.weight, tr.chunk_id)[0] * torch.maximum(-adv * ratio, -adv * clipped)  # (K,)
-    mb = whole[0] if whole else tr  # sums divide by the minibatch's counts
-    n_chunks, n_transitions = len(torch.unique(mb.chunk_id)), len(mb)
+    policy_terms = weight * torch.maximum(-adv * ratio, -adv * clipped)  # (K,)
     kl_terms = torch.zeros(len(tr), device=mean.device)  # (N,)
-    if args.beta > 0:  # the reference's mean is a constant; the policy's carries the KL's gradient
+    if args.beta > 0:  # the base's mean is a constant; the policy's carries the KL's gradient
         with torch.no_grad(), adapter_disabled(policy.net):
-            mean_ref = transition_log_probs(policy, cond, tr, args)[1]
-        kl_terms = gaussian_kl(mean, mean_ref, tr.std)
-    loss = policy_terms.sum() / n_chunks + args.beta * kl_terms.sum() / n_transitions
+            mean_base = transition_log_probs(policy, cond, tr, args)[1]
+        kl_terms = gaussian_kl(mean, mean_base, tr.std)
+    minibatch = tr if minibatch is None else minibatch
+    n_chunks = len(torch.unique(minibatch.chunk_id))
+    loss = policy_terms.sum() / n_chunks + args.beta * kl_terms.sum() / len(minibatch)
     stats = {"policy_loss": policy_terms.mean(), "kl": kl_terms.mean(), "ratio_mean": ratio.mean(),
              "clipfrac": ((ratio - 1).abs() > args.clip_range).float().mean(), "approx_kl": (0.5 * log_ratio**2).mean()}
     return loss, {k: s.detach() for k, s in stats.items()}
@@ -1051,7 +1137,7 @@ def transition_log_probs(policy, cond: dict, tr: Transitions, args: Args) -> tup
     first, of_state = first_of_each(tr.state_id)  # (M,) a transition of each state, (N,) each one's state
     x, t, prompt = tr.x[first], tr.t[first], tr.prompt[first]
     v = policy.velocity(x, t, {k: e[prompt.to(e.device)] for k, e in cond.items()})[of_state.to(tr.x.device)]
-    _, log_prob, mean, _ = sde_step(tr.x, v, tr.t, tr.t_next, kind=args.sde, noise_level=args.sde_level,
+    _, log_prob, mean, _ = sde_step(tr.x, v, tr.t, tr.t_next, kind=args.sde, noise_level=args.noise_level,
                                     prev_sample=tr.x_next)
     return log_prob, mean
 
@@ -1060,52 +1146,58 @@ def first_of_each(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     uniq, inverse = torch.unique(ids, return_inverse=True)
     return torch.full((len(uniq),), len(ids)).scatter_reduce(0, inverse, torch.arange(len(ids)), "amin"), inverse
 
-def chunk_log_ratios(log_prob, log_prob_old, chunk_id, whole: tuple | None = None) -> torch.Tensor:
-    """Chunk-GRPO's chunk ratio in log space (v1 Eq. 14): the mean of each chunk's step log-ratios, (N,) -> (K,).
-    `whole` (see grpo_loss): a chunk's members outside the micro-batch enter its mean frozen."""
-    log_ratio = segment_mean(log_prob - log_prob_old, chunk_id)[0]
-    mb, piece, frozen = whole or (None, None, None)
-    if frozen is None:
-        return log_ratio
-    mixed = frozen.index_put((piece.to(frozen.device),), log_prob - log_prob_old)  # (N_minibatch,)
-    return segment_mean(mixed, mb.chunk_id)[0][torch.isin(mb.chunk_id.unique(), chunk_id).to(mixed.device)]
+def chunk_log_ratios(log_prob, log_prob_old, chunk_id) -> torch.Tensor:
+    """Chunk-GRPO's chunk ratio in log space (v1 Eq. 14): the mean of each chunk's step log-ratios, (N,) -> (K,)."""
+    return segment_mean(log_prob - log_prob_old, chunk_id)[0]
 
 @contextlib.contextmanager
 def adapter_disabled(net):
-    """The LoRA adapter switched off: the reference model pi_ref."""
+    """The LoRA adapter switched off: the base model, the papers' reference pi_ref."""
     net.disable_adapters()
     try:
         yield
     finally:
         net.enable_adapters()
 
-def accumulate_gradients(policy, cond: dict, mb: Transitions, args: Args, meter: Meter = Meter()) -> list[dict]:
-    """Backward of a minibatch's loss in pieces of `micro_batch` transitions; under DDP only the last backward syncs.
-    `meter` counts the forward passes: one a distinct state of a piece (two with the reference's)."""
-    pieces = torch.arange(len(mb)).split(args.micro_batch or len(mb))  # (N,) CPU indices, a forward pass each
+def accumulate_gradients(policy, cond: dict, mb: Transitions, args: Args, meter: Meter | None = None) -> list[dict]:
+    """Backward of a minibatch's loss in pieces of about `micro_batch` transitions; under DDP only the last backward
+    syncs. A piece holds whole units (a chunk, or a branch point's children), so its loss is exact as it stands; a
+    unit larger than `micro_batch` is a piece of its own, and a pass then holds the largest chunk: at 10 steps 4
+    samples under --chunks paper, up to 6 under auto (4 chunks of 9 steps), where SD3.5's --micro-batch 4 holds 4.
+    `meter` counts the forward passes: one a distinct state of a piece (two with the base's)."""
+    unit, size = units(mb), args.micro_batch
+    pieces, filled = [], size  # each piece's unit ids; the last piece's transitions
+    for unit_id, count in zip(*(ids.tolist() for ids in torch.unique(unit, return_counts=True))):
+        if filled + count > size:
+            pieces.append([])
+            filled = 0
+        pieces[-1].append(unit_id)
+        filled += count
+    pieces = [torch.isin(unit, torch.tensor(piece)).nonzero().flatten() for piece in pieces]  # CPU indices
     passes = sum(len(torch.unique(mb.state_id[p])) for p in pieces) * policy.passes  # of the pieces' states
-    meter.nfe += passes * (2 if args.beta > 0 else 1)
-    frozen = None
-    if len(pieces) > 1 and len(torch.unique(mb.chunk_id)) < len(mb):  # a chunk may be split: freeze its log-ratios
-        meter.nfe += passes
-        with torch.no_grad():
-            frozen = torch.cat([transition_log_probs(policy, cond, mb[p], args)[0] for p in pieces]) - mb.log_prob
+    if meter is not None:
+        meter.nfe += passes * (2 if args.beta > 0 else 1)
     no_sync, stats = getattr(policy.denoiser, "no_sync", contextlib.nullcontext), []
     for i, piece in enumerate(pieces):
         with no_sync() if i < len(pieces) - 1 else contextlib.nullcontext():
-            loss, piece_stats = grpo_loss(policy, cond, mb[piece], args, (mb, piece, frozen))
+            loss, piece_stats = grpo_loss(policy, cond, mb[piece], args, mb)
             loss.backward()
         stats.append(piece_stats)
     return stats
 
+def units(tr: Transitions) -> torch.Tensor:
+    """(N,) the unit of each transition that is trained or left out whole: its chunk's id, or, for every child of a
+    branch point, the first child's (no method shares both: a state's children are single-step chunks)."""
+    first, of_state = first_of_each(tr.state_id)
+    return tr.chunk_id[first][of_state]
+
 def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Generator, dist: Dist = Dist(),
-           meter: Meter = Meter()) -> dict:
+           meter: Meter | None = None) -> dict:
     """Inner PPO updates, the first on-policy (ratio 1): a shuffled `train_fraction` of the chunks (a branch point's
     children count as one) in `inner_updates` minibatches, one clipped AdamW step each, without the advantage-0
     transitions (as Flow-GRPO). A non-finite gradient undoes the whole update (adapter and optimizer): `skipped`."""
     tr = tr[tr.advantage.cpu() != 0]
-    first, of_state = first_of_each(tr.state_id)  # no method shares both: a state's children are single-step chunks
-    unit = tr.chunk_id[first][of_state]  # (N,) a chunk's id, or the first child's for every child of a state
+    unit = units(tr)  # (N,) CPU
     ids = torch.unique(unit)
     order = ids[torch.randperm(len(ids), generator=gen)][: max(1, round(len(ids) * args.train_fraction))]
     n_minibatches = int(dist.reduce(min(args.inner_updates, len(order)), "min"))
@@ -1136,77 +1228,18 @@ def update(policy, opt, cond: dict, tr: Transitions, args: Args, gen: torch.Gene
 
 
 # ----------------------------------------------------------------------------------------------------
-# 9 Train loop and checkpoints
+# 9 Train loop
 
 def add_lora(policy, args: Args) -> list[torch.nn.Parameter]:
     """LoRA through peft on the denoiser (diffusers' add_adapter, which freezes the base weights)."""
     from diffusers.training_utils import cast_training_params
     from peft import LoraConfig
     torch.manual_seed(stable_seed(args.seed, "lora"))
-    rank, alpha = args.lora_rank or policy.lora_defaults[0], args.lora_alpha or policy.lora_defaults[1]
-    policy.net.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian",
+    args = resolved(args)  # the model's rank and alpha
+    policy.net.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian",
                                       target_modules=policy.lora_targets))
     cast_training_params(policy.net)  # the adapter trains in fp32 even on a bf16 model
     return [p for p in policy.net.parameters() if p.requires_grad]
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    elif name == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda was asked for but no CUDA device is available; use --device cpu or auto")
-    return torch.device(name)
-
-CHOICES = {"method": CREDIT_ASSIGNMENT, "sde": SDE_LEVELS, "dtype": ("auto", "fp32", "bf16"),
-           "device": ("auto", "cpu", "cuda")}
-RULES = {  # what a valid value of each flag is, and how to tell
-    ">= 0 (0: the method's default)": (["iterations", "lr"], lambda v: v >= 0),
-    ">= 2": (["group_size"], lambda v: v >= 2),
-    ">= 3": (["steps"], lambda v: v >= 3),
-    "> 0": (["clip_range", "max_grad_norm", "resolution"], lambda v: v > 0),
-    ">= 0": (["micro_batch", "noise_level", "min_std", "extra_penalty", "beta", "lora_rank", "lora_alpha",
-              "branch_steps"], lambda v: v >= 0),
-    ">= 1": (["prompts_per_iter", "eval_steps", "eval_every", "eval_per_tag", "curve_per_tag", "inner_updates",
-              "tweedie_substeps", "seeds", "num_chunks", "checkpoint_every", "max_nonfinite"],
-             lambda v: v >= 1),
-    "0 or >= 1": (["guidance"], lambda v: v == 0 or v >= 1),
-    "in [0, 1)": (["ema"], lambda v: 0 <= v < 1),
-    "in (0, 1]": (["train_fraction", "chunk_fraction"], lambda v: 0 < v <= 1),
-}
-
-def validate(args: Args) -> Args:
-    """Every bad input becomes one UsageError naming the flag and what is valid; -> `resolved(args)`."""
-    for name, options in CHOICES.items():
-        if getattr(args, name) not in options:
-            raise UsageError(f"unknown --{name.replace('_', '-')} {getattr(args, name)!r}; choose {', '.join(options)}")
-    for valid, (names, ok) in RULES.items():
-        for name in names:
-            if not ok(getattr(args, name)):
-                raise UsageError(f"--{name.replace('_', '-')} must be {valid}, got {getattr(args, name)!r}")
-    if args.sde != "flow" and args.sde_level > 1:
-        raise UsageError(f"--noise-level of the {args.sde} SDE must be in (0, 1], got {args.noise_level!r}")
-    if args.model != "toy" and args.model.startswith((".", "/", "~")) and not Path(args.model).expanduser().exists():
-        raise UsageError(f"--model {args.model}: no such folder (a diffusers pipeline folder or a hub id is expected)")
-    if any(n.startswith("toy") for n, _ in parse_reward(reward_spec(args))) and (args.model != "toy" or args.prompts):
-        raise UsageError("--reward toy scores the built-in toy prompts on the toy model; use pickscore or clip here")
-    if args.prompts and not Path(args.prompts).is_file():
-        raise UsageError(f"--prompts {args.prompts}: no such file (one prompt a line is expected)")
-    trainable = trainable_steps(shifted_grid(args.steps), args)
-    if not (trainable & (torch.arange(args.steps) < args.steps // 2 if args.method == "g2rpo" else True)).any():
-        raise UsageError(f"--method {args.method} with --sde {args.sde} and --steps {args.steps} has no step to train "
-                         "(nor the last or a near-deterministic one; g2rpo trains the first half); use more --steps")
-    parse_chunks(args.chunks, int(trainable.sum()))
-    parse_ints(args.full_evals, "--full-evals"), parse_ints(args.full_eval_nfe, "--full-eval-nfe")
-    lams = parse_ints(args.granularities, "--granularities")
-    if min(lams, default=0) < 1 or len(set(lams)) < len(lams):  # a repeated lambda would count its advantage twice
-        raise UsageError(f"--granularities must be distinct positive integers like 1,2,3, got {args.granularities!r}")
-    resolve_device(args.device)
-    return resolved(args)
-
-def resolved(args: Args) -> Args:
-    """`args` with the defaults that depend on other flags filled in: the method's (METHOD_DEFAULTS), micro-batches."""
-    defaults = {k: v for k, v in METHOD_DEFAULTS.get(args.method, {}).items() if not getattr(args, k)
-                and (k != "noise_level" or args.sde == "flow")}  # a method's noise level is its flow SDE's a
-    return dataclasses.replace(args, **defaults, micro_batch=args.micro_batch or (0 if args.model == "toy" else 4))
 
 def prompt_sets(args: Args) -> tuple[list[dict] | None, list[dict]]:
     """(training, held-out) prompts: the toy generator (None) and toy-GenEval's, or --prompts, every 10th held out."""
@@ -1218,12 +1251,12 @@ def prompt_sets(args: Args) -> tuple[list[dict] | None, list[dict]]:
     return [m for i, m in enumerate(metas) if i % 10], metas[5::10] if args.tune else metas[::10]
 
 # What training (and notebooks/benchmark.py) builds before the first iteration; grid: the (S+1,) training time grid
-Trainer = collections.namedtuple("Trainer", "policy reward_fn params opt grid chunk_sizes train_pool held_out")
+Setup = collections.namedtuple("Setup", "policy reward_fn params opt grid chunk_sizes train_pool eval_pool")
 
-def setup(args: Args, dist: Dist) -> Trainer:
+def setup(args: Args, dist: Dist) -> Setup:
     """Model, reward, LoRA adapter (in DDP under torchrun), optimiser and the training grid."""
     from transformers import set_seed
-    args = resolved(args)  # the method's lr and iterations
+    args = resolved(args)  # the method's lr and iterations, the model's LoRA
     set_seed(args.seed)
     # every rank loads the model; huggingface_hub's file locks let one download a hub model while the others wait
     policy, reward_fn = load_policy(args, dist.device), build_reward(args, dist.device)
@@ -1235,17 +1268,17 @@ def setup(args: Args, dist: Dist) -> Trainer:
         ids = [dist.device] if dist.device.type == "cuda" else None
         policy.denoiser = DistributedDataParallel(policy.net, device_ids=ids, broadcast_buffers=False)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    return Trainer(policy, reward_fn, params, opt, grid, chunk_sizes, *prompt_sets(args))
+    return Setup(policy, reward_fn, params, opt, grid, chunk_sizes, *prompt_sets(args))
 
-def iteration_context(args: Args, trainer: Trainer, it: int, meter: Meter, dist: Dist = Dist()) -> Context:
+def iteration_context(args: Args, parts: Setup, it: int, meter: Meter, dist: Dist = Dist()) -> Context:
     """Iteration `it`'s prompts, embeddings and generators; every draw follows from (seed, it)."""
     rng = random.Random(stable_seed(args.seed, "prompts", it))
-    metas = ([rng.choice(trainer.train_pool) for _ in range(args.prompts_per_iter)] if trainer.train_pool
+    metas = ([rng.choice(parts.train_pool) for _ in range(args.prompts_per_iter)] if parts.train_pool
              else train_prompts(args.prompts_per_iter, rng))
     shared = generator(args.seed, "rollout", it)
     gen = generator(args.seed, "rollout", it, dist.rank) if dist.world > 1 else shared
-    cond = trainer.policy.encode([m["prompt"] for m in metas])
-    return Context(trainer.policy, args, meter, gen, metas, cond, trainer.grid, trainer.reward_fn, trainer.chunk_sizes,
+    cond = parts.policy.encode([m["prompt"] for m in metas])
+    return Context(parts.policy, args, meter, gen, metas, cond, parts.grid, parts.reward_fn, parts.chunk_sizes,
                    dist, shared)
 
 def train(args: Args) -> list[dict]:
@@ -1253,28 +1286,33 @@ def train(args: Args) -> list[dict]:
     A new folder starts the run, one with a checkpoint resumes it, one with the run's record returns at once."""
     from diffusers.training_utils import EMAModel
     args = validate(args)
-    dist = Dist.setup(resolve_device(args.device))
+    dist = Dist.join(resolve_device(args.device))
     if args.group_size % dist.world:
         raise UsageError(f"--group-size {args.group_size} must be a multiple of the {dist.world} ranks")
     with RunFolder(args, dist) as folder:
         if folder.finished():
             return folder.history
-        trainer = setup(args, dist)
+        parts = setup(args, dist)
         # one update an iteration (8 optimizer steps: Flow-GRPO's interval); its warm-up min((1+n)/(10+n), decay)
         # counts these updates, Flow-GRPO's optimizer steps: this one reaches 0.9 after 81 updates, that one after 10
-        ema = EMAModel(trainer.params, decay=args.ema)
-        meter, first = folder.open(trainer, ema)  # from the checkpoint, or new (the base evaluated)
-        for it in folder.progress(first):
+        ema = EMAModel(parts.params, decay=args.ema_decay)
+        meter, first_it = folder.open(parts, ema)  # from the checkpoint, or new
+        if first_it == 1:  # a new run: the base's evaluation, which every later one is paired with
+            folder.evaluate_if_due(0)
+        for it in folder.progress(first_it):
             start = time.time()
-            ctx = iteration_context(args, trainer, it, meter, dist)
-            transitions, rewards = CREDIT_ASSIGNMENT[args.method](ctx)  # sample with the method's credit assignment
+            ctx = iteration_context(args, parts, it, meter, dist)
+            transitions, rewards = METHODS[args.method].assign(ctx)  # sample with the method's credit assignment
             stats = {"skipped": 1.0}  # non-finite rewards or advantages: no update
             if all_finite(dist, rewards, transitions.advantage):
-                stats = update(trainer.policy, trainer.opt, ctx.cond, transitions, args, ctx.gen, dist, meter)
+                stats = update(parts.policy, parts.opt, ctx.cond, transitions, args, ctx.gen, dist, meter)
             if stats.get("trained") and not stats.get("skipped"):  # optimizer steps were taken and kept
-                ema.step(trainer.params)
+                ema.step(parts.params)
             folder.log(it, ctx, transitions, rewards, stats, seconds=time.time() - start)
-            folder.evaluate(it)  # every eval_every iterations and at the end
+            if folder.bad_in_row >= args.max_nonfinite:
+                raise RunError(f"stopped at iteration {it}: {folder.bad_in_row} iterations in a row had non-finite "
+                               f"rewards, advantages or gradient; the last good checkpoint is in {folder.path}")
+            folder.evaluate_if_due(it)  # every eval_every iterations and at the end
             folder.checkpoint(it)
         folder.finish()
     return folder.history
@@ -1282,6 +1320,10 @@ def train(args: Args) -> list[dict]:
 def all_finite(dist: Dist, *tensors: torch.Tensor) -> bool:
     """Whether every value is finite on every rank (so that all ranks skip an update together)."""
     return bool(dist.reduce(torch.stack([torch.isfinite(x).all() for x in tensors]).all(), "min"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# 10 Run folder: its books, checkpoints and record, and the base's cached evaluation
 
 NOT_SHAPING = ("out", "run", "device", "cache_dir", "base_cache")  # where and how fast, not what
 
@@ -1313,53 +1355,54 @@ class RunFolder:
         again; one of other flags resumes with them from its checkpoint, if the checkpoint allows them."""
         if not (self.path / "record.json").exists():
             return False
-        record, mine = json.loads((self.path / "record.json").read_text()), dataclasses.asdict(self.args)
+        record = json.loads((self.path / "record.json").read_text())
         if "error" in record:
             print(f"{self.path}: stopped at iteration {record['iteration']} ({record['error']}); trying again")
             return False
-        if any(mine[k] != v for k, v in record["args"].items() if k in mine and k not in NOT_SHAPING):
+        mine, saved = dataclasses.asdict(self.args), dataclasses.asdict(resolved(args_of(record["args"])))
+        if any(mine[k] != v for k, v in saved.items() if k not in NOT_SHAPING):
             return False
         print(f"{self.path}: finished already (record.json); nothing to do")
         self.history = [json.loads(line) for line in (self.path / "metrics.jsonl").read_text().splitlines()]
         return True
 
-    def open(self, trainer: Trainer, ema) -> tuple[Meter, int]:
+    def open(self, parts: Setup, ema) -> tuple[Meter, int]:
         """Lock the folder, then resume from its checkpoint or start: -> (the meter, the first iteration to run)."""
-        self.trainer, self.ema, resume = trainer, ema, (self.path / "checkpoint.pt").exists()
+        self.parts, self.ema, resume = parts, ema, (self.path / "checkpoint.pt").exists()
         if self.writer:  # made after loading: a model that fails to load leaves no empty folder
             try:
                 self.path.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise UsageError(f"--out {self.args.out!r}: cannot create the run folder {self.path} "
                                  f"({e.strerror or e})") from None
-            self.lock = (self.path / ".lock").open("w")  # one writer per folder: the process's until it exits
+            from filelock import FileLock, Timeout
+            self.lock = FileLock(self.path / ".lock")  # one writer per folder: the process's until it exits
             try:
-                fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+                self.lock.acquire(timeout=0)
+            except Timeout:
                 raise UsageError(f"{self.path} is being written by another process; stop it (or let it finish) "
                                  "first") from None
         self.state = {"iteration": 0, "meter": {}, "wall": 0.0}
         if resume:  # onto the CPU, as weights only; the moving average then joins the model
             from peft.utils import set_peft_model_state_dict
-            saved, mine = json.loads((self.path / "args.json").read_text()), dataclasses.asdict(self.args)
-            for flag in [f for f in ("lr", "weight_decay", "ema") if mine[f] != saved.get(f, mine[f])]:
+            saved = dataclasses.asdict(resolved(args_of(json.loads((self.path / "args.json").read_text()))))
+            mine = dataclasses.asdict(self.args)
+            for flag in [f for f in ("lr", "weight_decay", "ema_decay") if mine[f] != saved[f]]:
                 raise UsageError(f"a run resumes as it began: --{flag.replace('_', '-')} is {saved[flag]!r} in its "
                                  f"folder, not {mine[flag]!r}; start a new run (another --run folder) instead")
             self.state = torch.load(self.path / "checkpoint.pt", map_location="cpu", weights_only=True)
-            set_peft_model_state_dict(trainer.policy.net, self.state["lora"])
-            trainer.opt.load_state_dict(self.state["optimizer"])
+            set_peft_model_state_dict(parts.policy.net, self.state["lora"])
+            parts.opt.load_state_dict(self.state["optimizer"])
             ema.load_state_dict(self.state["ema"])
-            ema.to(next(trainer.policy.net.parameters()).device)
+            ema.to(next(parts.policy.net.parameters()).device)
         self.history, self.wall = self.state.get("history", []), self.state["wall"]
         if self.writer:
             (self.path / "args.json").write_text(json.dumps(dataclasses.asdict(self.args), indent=2))
         self.file = (self.path / "metrics.jsonl").open("w", buffering=1) if self.writer else open(os.devnull, "w")
         self.file.writelines(json.dumps(entry) + "\n" for entry in self.history)  # drops lines after the checkpoint
         self.meter = Meter(**self.state["meter"])
-        if not resume:
-            if trainer.chunk_sizes:
-                self.record({"iteration": 0, "chunk_sizes": trainer.chunk_sizes})
-            self.evaluate(0)
+        if parts.chunk_sizes and not resume:
+            self.append_metrics({"iteration": 0, "chunk_sizes": parts.chunk_sizes})
         return self.meter, self.state["iteration"] + 1
 
     def progress(self, first: int):
@@ -1374,41 +1417,39 @@ class RunFolder:
     def __enter__(self) -> "RunFolder":
         return self
 
-    def __exit__(self, kind, error, traceback) -> None:
+    def __exit__(self, error_type, error, traceback) -> None:
         """An error (not an interrupt: that run resumes) leaves a record naming it; the next start tries again."""
         if isinstance(error, Exception) and hasattr(self, "file"):
-            self.write_record(error=f"{kind.__name__}: {error}", iteration=self.iteration)
+            self.write_record(error=f"{error_type.__name__}: {error}", iteration=self.iteration)
 
-    def record(self, entry: dict) -> None:
+    def append_metrics(self, entry: dict) -> None:
         self.history.append(entry)
         self.file.write(json.dumps(entry) + "\n")
 
     def log(self, it: int, ctx: Context, transitions: Transitions, rewards: torch.Tensor, stats: dict,
             seconds: float) -> None:
-        """The iteration's metrics.jsonl line (counters summed over ranks); a stop at `max_nonfinite` skips in a row."""
+        """The iteration's metrics.jsonl line (counters summed over ranks), and the count of skips in a row."""
         self.wall += seconds
         self.bad_in_row = self.bad_in_row + 1 if stats.get("skipped") else 0
         if self.bad_in_row and self.writer:
             tqdm.write(f"warning: iteration {it}: non-finite rewards, advantages or gradient; update undone")
-        if self.bad_in_row >= self.args.max_nonfinite:
-            raise RunError(f"stopped at iteration {it}: {self.bad_in_row} iterations in a row had non-finite rewards, "
-                           f"advantages or gradient; the last good checkpoint is in {self.path}")
         dist = self.dist
         rewards = dist.gather(rewards.float())
         adv_abs = segment_mean(transitions.advantage.abs(), transitions.step)[0].tolist()  # one host sync
         per_step = {f"adv_abs/{k}": a for k, a in zip(transitions.step.unique().tolist(), adv_abs)}
-        self.record({"iteration": it, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()), **stats,
-                     "zero_std_frac": float(torch.cat(ctx.stats["zero_std"]).float().mean()),  # the same on all ranks
-                     "transitions": int(dist.reduce(len(transitions))), "nfe": int(dist.reduce(self.meter.nfe)),
-                     "reward_calls": int(dist.reduce(self.meter.reward_calls)),
-                     "lr": self.trainer.opt.param_groups[0]["lr"], "wall_s": round(self.wall, 2), **per_step})
+        line = {"iteration": it, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()), **stats,
+                "zero_std_frac": float(torch.cat(ctx.stats["zero_std"]).float().mean()),  # the same on all ranks
+                "transitions": int(dist.reduce(len(transitions))), "nfe": int(dist.reduce(self.meter.nfe)),
+                "images_scored": int(dist.reduce(self.meter.images_scored)),
+                "lr": self.parts.opt.param_groups[0]["lr"], "wall_s": round(self.wall, 2), **per_step}
+        self.append_metrics(line)
         self.bar.set_postfix(reward=f"{self.history[-1]['reward_mean']:.3f}", kl=f"{self.history[-1].get('kl', 0):.2g}")
 
-    def evaluate(self, it: int) -> None:
+    def evaluate_if_due(self, it: int) -> None:
         """At 0, every eval_every iterations and at the end: the moving average's held-out scores, paired with the
         base's on the same pairs (a curve point scores every k-th pair of each category; the ends, --full-evals and
         the first iteration past each --full-eval-nfe budget score all)."""
-        args, trainer, policy = self.args, self.trainer, self.trainer.policy
+        args, parts, policy = self.args, self.parts, self.parts.policy
         spent = [0, 0] + [h["nfe"] for h in self.history if "reward_mean" in h]  # passes after each iteration
         full = (it in (0, args.iterations, *parse_ints(args.full_evals, "--full-evals"))
                 or any(spent[-2] < budget <= spent[-1] for budget in parse_ints(args.full_eval_nfe, "--full-eval-nfe")))
@@ -1417,17 +1458,17 @@ class RunFolder:
         nfe = int(self.dist.reduce(self.meter.nfe))
         if not self.writer:  # the other ranks go on and wait for rank 0 in the next collective
             return
-        pairs = None if full else curve_pairs(trainer.held_out, args.curve_per_tag)
-        with ema_applied(self.ema, trainer.params):  # at 0 the adapter is 0: the base
+        pairs = None if full else curve_pairs(parts.eval_pool, args.curve_per_tag)
+        with ema_applied(self.ema, parts.params):  # at 0 the adapter is 0: the base
             if it:
-                made = evaluate(policy, args, trainer.reward_fn, pairs=pairs)
+                made = evaluate(policy, args, parts.reward_fn, pairs=pairs)
             else:
-                made = base_evaluation(args, trainer, self.code)
+                made = base_evaluation(args, parts, self.code)
         metrics, images, metas, scores = made
         self.state["base_scores"] = self.state.get("base_scores") or scores  # gains pair with the first evaluation
         base = {k: v[scores["pair"]] for k, v in self.state["base_scores"].items()}  # the same pairs as this one's
         gains = paired_gains(scores, base, [m.get("tag", "prompt") for m in metas])
-        self.record({"iteration": it, **metrics, **gains, "nfe": nfe, "wall_s": round(self.wall, 2),
+        self.append_metrics({"iteration": it, **metrics, **gains, "nfe": nfe, "wall_s": round(self.wall, 2),
                      "eval_pairs": len(metas)})
         torch.save(scores, self.path / f"scores_{it:04d}.pt")  # per image: the record pairs runs with them
         save_grid(images, metas, scores, self.path / f"samples_{it:04d}.png",
@@ -1438,8 +1479,8 @@ class RunFolder:
         average, optimizer and progress (every draw comes from seeded generators), atomically."""
         from peft.utils import get_peft_model_state_dict
         if (it % self.args.checkpoint_every == 0 or it == self.args.iterations) and not self.bad_in_row and self.writer:
-            state = {"lora": get_peft_model_state_dict(self.trainer.policy.net), "ema": self.ema.state_dict(),
-                     "optimizer": self.trainer.opt.state_dict(), "iteration": it, "wall": self.wall,
+            state = {"lora": get_peft_model_state_dict(self.parts.policy.net), "ema": self.ema.state_dict(),
+                     "optimizer": self.parts.opt.state_dict(), "iteration": it, "wall": self.wall,
                      "meter": dataclasses.asdict(self.meter), "history": self.history,
                      "base_scores": self.state["base_scores"]}
             torch.save(state, self.path / "checkpoint.pt.tmp")
@@ -1450,17 +1491,17 @@ class RunFolder:
         self.file.close()
         if not self.writer:
             return
-        with ema_applied(self.ema, self.trainer.params):
-            self.trainer.policy.save_lora(self.path / "lora")
+        with ema_applied(self.ema, self.parts.params):
+            self.parts.policy.save_lora(self.path / "lora")
         plot_curves(self.history, self.path / "reward_curve.png", self.args.method)
         self.write_record()
-        first, *_, last = [h for h in self.history if "eval_overall" in h]
+        base, *_, end = [h for h in self.history if "eval_overall" in h]
         scored_on = "tuning" if self.args.tune else "held-out"
-        print(f"done: {self.path}\n{scored_on} score {first['eval_overall']:.3f} -> {last['eval_overall']:.3f} "
-              f"({last['gain_overall']:+.3f} ± {last['gain_overall_se']:.3f} paired s.e.)")
-        if "eval_strict" in last:
-            print(f"strict {first['eval_strict']:.3f} -> {last['eval_strict']:.3f} ({last['gain_strict']:+.3f} ± "
-                  f"{last['gain_strict_se']:.3f}), extra objects {first['eval_extra']:.1%} -> {last['eval_extra']:.1%}")
+        print(f"done: {self.path}\n{scored_on} score {base['eval_overall']:.3f} -> {end['eval_overall']:.3f} "
+              f"({end['gain_overall']:+.3f} ± {end['gain_overall_se']:.3f} paired s.e.)")
+        if "eval_strict" in end:
+            print(f"strict {base['eval_strict']:.3f} -> {end['eval_strict']:.3f} ({end['gain_strict']:+.3f} ± "
+                  f"{end['gain_strict_se']:.3f}), extra objects {base['eval_extra']:.1%} -> {end['eval_extra']:.1%}")
 
     def write_record(self, **error) -> None:
         """record.json, atomically: flags, cost, machine, code, the training rewards, the base's evaluation and every
@@ -1483,7 +1524,7 @@ class RunFolder:
         (self.path / "record.json.tmp").write_text(json.dumps(record, separators=(",", ":")))  # ~50 kB a toy run
         os.replace(self.path / "record.json.tmp", self.path / "record.json")
 
-def base_evaluation(args: Args, trainer: Trainer, code: str) -> tuple:
+def base_evaluation(args: Args, parts: Setup, code: str) -> tuple:
     """The base model's evaluation, cached on this machine under a key of all that determines it (weights, evaluation
     flags, the script's `code` id as the run started, torch, CPU, threads): a campaign evaluates the base once."""
     weights = toy_folder(args) if args.model == "toy" else Path(args.model)  # a hub id: no such folder, its name
@@ -1494,13 +1535,13 @@ def base_evaluation(args: Args, trainer: Trainer, code: str) -> tuple:
            "prompts_text": prompts,
            **{k: v for k, v in dataclasses.asdict(args).items() if k in EVALUATION_FLAGS}, "code": code,
            "torch": torch.__version__, "cpu": cpu_name(), "threads": torch.get_num_threads(),
-           "device": str(trainer.policy.device)}
+           "device": str(parts.policy.device)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     cache = Path(args.cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flow_grpo_credit")
     path = cache / "base_eval" / f"{digest}.pt"
     if args.base_cache and path.exists():
         return torch.load(path, weights_only=True)
-    made = evaluate(trainer.policy, args, trainer.reward_fn)
+    made = evaluate(parts.policy, args, parts.reward_fn)
     if args.base_cache:  # written whole, then renamed: a reader never sees half a file
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(made, path.with_suffix(f".tmp{os.getpid()}"))
@@ -1522,19 +1563,20 @@ def ema_applied(ema, params: list):
 
 
 # ----------------------------------------------------------------------------------------------------
-# 10 Evaluation and plots
+# 11 Evaluation and plots
 
 @torch.no_grad()
 def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None, pairs: list[int] | None = None):
     """Deterministic (fixed prompts and noise, `eval_steps` ODE steps; the pairs numbered `pairs`, or all) -> (metrics,
     images, metas, per-image scores: reward, `pair`, on toy score_batch's); eval_overall: toy-GenEval or reward."""
+    args = resolved(args)  # the model's micro-batch
     metas = metas or prompt_sets(args)[1]
     pairs = torch.arange(len(metas)) if pairs is None else torch.as_tensor(pairs)  # (N,) sorted
     noise = initial_noise(policy, len(metas), generator("tune-noise" if args.tune else "eval-noise"))[pairs]
     grid, metas = policy.time_grid(args.eval_steps), [metas[i] for i in pairs.tolist()]
     images, rewards, kls, reward_fn = [], [], [], reward_fn or build_reward(args, policy.device)
     cond = policy.encode([m["prompt"] for m in metas], device="cpu")  # the text encoders' one use, kept on the CPU
-    for batch in torch.arange(len(metas)).split(args.micro_batch or len(metas)):
+    for batch in torch.arange(len(metas)).split(args.micro_batch):
         batch_cond = {k: e[batch].to(policy.device) for k, e in cond.items()}
         ode = rollout(policy, batch_cond, noise[batch.to(noise.device)], grid, [False] * args.eval_steps, args, Meter())
         kls += [kl_to_base(policy, batch_cond, ode, args).cpu()] if args.eval_kl else []
@@ -1564,7 +1606,7 @@ def kl_to_base(policy, cond: dict, traj: Trajectory, args: Args) -> torch.Tensor
         x, t, t_next, v = traj.states[:, k], traj.times[:, k], traj.times[:, k + 1], traj.velocities[:, k]
         with adapter_disabled(policy.net):
             v_base = policy.velocity(x, t, cond)
-        (mean, std), (mean_base, _) = [sde_step(x, velocity, t, t_next, kind=args.sde, noise_level=args.sde_level,
+        (mean, std), (mean_base, _) = [sde_step(x, velocity, t, t_next, kind=args.sde, noise_level=args.noise_level,
                                                 noise=torch.zeros(x.shape))[2:] for velocity in (v, v_base)]
         kl += gaussian_kl(mean, mean_base, std)
     return kl
@@ -1645,7 +1687,7 @@ def per_pair(scores: dict, args: Args) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------
-# 11 CLI
+# 12 CLI
 
 def parse_args(argv=None) -> Args:
     """CLI -> Args. --run FOLDER of a started run: its saved flags, overridden by those given."""
@@ -1658,14 +1700,14 @@ def parse_args(argv=None) -> Args:
     helps = dict(re.findall(r"^    (\w+): .*?  # (.*)$", inspect.getsource(Args), re.M))
     parser = Parser(description="GRPO with credit assignment for flow-matching text-to-image models.",
                     argument_default=argparse.SUPPRESS)  # only the flags given appear in the namespace
+    by_type = {"bool": dict(action=argparse.BooleanOptionalAction), "int": dict(type=int), "float": dict(type=float)}
     for f in dataclasses.fields(Args):
-        kind = {"bool": dict(action=argparse.BooleanOptionalAction), "int": dict(type=int), "float": dict(type=float)}
         parser.add_argument("--" + f.name.replace("_", "-"), help=f"{helps[f.name]} (default: {f.default})",
-                            **kind.get(f.type, dict(type=str)))
+                            **by_type.get(f.type, dict(type=str)))
     given = vars(parser.parse_args(argv))
     saved_file = Path(given.get("run", "")) / "args.json"
     saved = json.loads(saved_file.read_text()) if given.get("run") and saved_file.exists() else {}
-    return Args(**{**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__}, **given})
+    return dataclasses.replace(args_of(saved), **given)
 
 def main(argv=None) -> int:
     try:

@@ -368,10 +368,11 @@ def test_cps_step_is_the_official_formula_with_the_full_gaussian_log_prob():
     torch.testing.assert_close(log_prob, official / (2 * std**2) - std.log() - 0.5 * math.log(2 * math.pi))
     rescored = fgc.sde_step(x, v, t, t_next, kind="cps", noise_level=a, prev_sample=x_next)[1]
     torch.testing.assert_close(rescored, log_prob)
-    args = fgc.Args(sde="cps")  # --noise-level 0 is the SDE's default: 0.8 for cps
-    assert args.sde_level == fgc.SDE_LEVELS["cps"] and fgc.Args(sde="cps", noise_level=0.5).sde_level == 0.5
+    args = fgc.resolved(fgc.Args(sde="cps"))  # --noise-level 0 is the SDE's default: 0.8 for cps
+    given = fgc.resolved(fgc.Args(sde="cps", noise_level=0.5))
+    assert args.noise_level == fgc.SDE_LEVELS["cps"] and given.noise_level == 0.5
     grid = fgc.shifted_grid(6)
-    torch.testing.assert_close(fgc.step_stds(grid, args), grid[1:] * math.sin(args.sde_level * math.pi / 2))
+    torch.testing.assert_close(fgc.step_stds(grid, args), grid[1:] * math.sin(args.noise_level * math.pi / 2))
     assert fgc.trainable_steps(grid, args).tolist() == [True] * 4 + [False] * 2  # from t = 1 on; std 0.001 into t_5
 
 
@@ -395,8 +396,8 @@ def test_flow_sde_std_matches_the_sd35_reference_table():
     stds = fgc.step_stds(grid, fgc.Args(sde="flow", noise_level=0.7))
     table = [0.7000, 0.7430, 0.5362, 0.4459, 0.3918, 0.3528, 0.3191, 0.2820, 0.2254, 0.0063]
     np.testing.assert_allclose(stds.numpy(), table, atol=6e-4)
-    ddim = fgc.Args(sde="ddim")
-    assert ddim.sde_level == fgc.SDE_LEVELS["ddim"] == 1.0
+    ddim = fgc.resolved(fgc.Args(sde="ddim"))
+    assert ddim.noise_level == fgc.SDE_LEVELS["ddim"] == 1.0
     table = [0, .1824, .2525, .2982, .3238, .3258, .2932, .2034, .0076, 0]
     np.testing.assert_allclose(fgc.step_stds(grid, ddim).numpy(), table, atol=6e-4)
 
@@ -414,7 +415,8 @@ def test_kl_is_exact_gaussian_kl_per_dimension():
 
 
 def ctx_for(method_args: dict, reward=None, b=2, seed=0):
-    args = fgc.Args(**{"steps": 6, "group_size": 4, "seeds": 2, "tweedie_substeps": 2, **method_args})
+    flags = {"steps": 6, "group_size": 4, "noises_per_prompt": 2, "tweedie_substeps": 2, **method_args}
+    args = fgc.resolved(fgc.Args(**flags))
     policy = random_policy()
     metas = fgc.eval_prompts(1)[:b]
     grid = fgc.shifted_grid(args.steps)
@@ -459,7 +461,7 @@ def test_kl_to_base_sums_each_trained_step_s_kl_as_the_flow_sde_s_mean_gives_it_
     with torch.no_grad():
         for k in fgc.trainable_steps(ctx.grid, args).nonzero().flatten().tolist():
             t, dt, state = float(ctx.grid[k]), float(ctx.grid[k] - ctx.grid[k + 1]), traj.states[:, k]
-            sigma2 = args.sde_level**2 * t / (1 - (t if t < 1 else float(ctx.grid[k + 1])))  # t_next at t = 1
+            sigma2 = args.noise_level**2 * t / (1 - (t if t < 1 else float(ctx.grid[k + 1])))  # t_next at t = 1
             with fgc.adapter_disabled(policy.net):
                 v_base = policy.velocity(state, ctx.grid[k].expand(2), ctx.cond)
             gap = dt * (1 + sigma2 * (1 - t) / (2 * t)) * (traj.velocities[:, k] - v_base)
@@ -506,7 +508,7 @@ def test_stepwise_advantages_telescope_to_the_normalised_final_reward():
     g, s = 4, 6
     r = torch.rand(2 * g, s + 1)
     r[:g, 0], r[g:, 0] = 0.3, 0.7
-    prompt = fgc.repeat(torch.arange(2), g)
+    prompt = fgc.repeat_each(torch.arange(2), g)
     adv = fgc.gain_advantages(ctx, r, prompt)
     gains = r[:, 1:] - r[:, :-1]
     sigma = torch.stack([gains[:g].std(unbiased=False), gains[g:].std(unbiased=False)])
@@ -529,7 +531,7 @@ def test_stepwise_tweedie_estimate_is_the_ode_from_the_state_with_its_first_step
     is refined once per group. A stepwise iteration costs B*G*S + (n-1)*(B*G*(S-1) + B) passes."""
     ctx = ctx_for({"method": "stepwise"})
     b, g, s, n = 2, 4, 6, ctx.args.tweedie_substeps
-    prompt = fgc.repeat(torch.arange(b), g)
+    prompt = fgc.repeat_each(torch.arange(b), g)
     traj = ctx.sample(prompt, fgc.initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, [True] * s)
     x, v, t = traj.states[:, 2], traj.velocities[:, 2], traj.times[:, 2]
     before = ctx.meter.nfe
@@ -541,7 +543,7 @@ def test_stepwise_tweedie_estimate_is_the_ode_from_the_state_with_its_first_step
     ctx = ctx_for({"method": "stepwise"})
     fgc.stepwise(ctx)
     assert ctx.meter.nfe == b * g * s + (n - 1) * (b * g * (s - 1) + b)
-    assert ctx.meter.reward_calls == b * g * s + b
+    assert ctx.meter.images_scored == b * g * s + b
 
 
 def test_tempflow_weights_average_one_and_advantages_are_zero_mean_per_seed_and_step():
@@ -657,14 +659,14 @@ def test_auto_chunks_split_the_profile_s_change_equally_so_fast_steps_get_small_
 
 
 @pytest.mark.parametrize("sde", ["flow", "cps"])
-@pytest.mark.parametrize("method", list(fgc.CREDIT_ASSIGNMENT))
+@pytest.mark.parametrize("method", list(fgc.METHODS))
 def test_first_inner_step_is_on_policy_for_every_method(method, sde):
     """One iteration of every method under each SDE kind: finite transitions with their ids on the CPU,
     and an update whose first minibatch is exactly on-policy (ratio 1) with a KL to the reference; a
     quarter of the transitions is trained, to keep the test short."""
     ctx = ctx_for({"method": method, "beta": 0.01, "branch_steps": 2, "sde": sde, "inner_updates": 2,
                    "train_fraction": 0.25})
-    tr, rewards = fgc.CREDIT_ASSIGNMENT[method](ctx)
+    tr, rewards = fgc.METHODS[method].assign(ctx)
     assert len(tr) > 0 and torch.isfinite(tr.advantage).all() and torch.isfinite(rewards).all()
     assert all(getattr(tr, f).device.type == "cpu" and getattr(tr, f).dtype == torch.long
                for f in ("prompt", "chunk_id", "step"))
@@ -707,7 +709,7 @@ def test_nfe_counts_every_forward_pass():
     # the anchor's velocity, free
     coarse = sum(len(fgc.continuation_grid(ctx.grid, k + 1, 2)) - 1 for k in range(3))
     assert ctx.meter.nfe == 12 + 8 * ((5 + 4 + 3) + coarse)
-    assert ctx.meter.reward_calls == 8 * 3 * 2
+    assert ctx.meter.images_scored == 8 * 3 * 2
 
 
 @pytest.mark.parametrize("method", ["tempflow", "g2rpo"])
@@ -718,11 +720,11 @@ def test_a_branch_point_s_children_share_its_velocity_and_one_forward_pass_with_
     state, and its gradient is the per-child computation's; `nfe` counts the passes computed."""
     flags = {"method": method, "branch_steps": 2, "beta": 0.5, "adv_clip": 1.0}
     ctx = ctx_for(flags)
-    tr, rewards = fgc.CREDIT_ASSIGNMENT[method](ctx)
+    tr, rewards = fgc.METHODS[method].assign(ctx)
     real_sample = fgc.Context.sample
     monkeypatch.setattr(fgc.Context, "sample", lambda self, *a: real_sample(self, *a[:4]))  # every velocity anew
     recomputed = ctx_for(flags)
-    tr_anew, rewards_anew = fgc.CREDIT_ASSIGNMENT[method](recomputed)
+    tr_anew, rewards_anew = fgc.METHODS[method].assign(recomputed)
     torch.testing.assert_close(tr_anew.x_next, tr.x_next, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(rewards_anew, rewards, rtol=1e-4, atol=1e-5)
     assert recomputed.meter.nfe - ctx.meter.nfe == len(tr), "a pass saved a child (one trained step each)"
@@ -804,30 +806,41 @@ def test_transitions_of_groups_with_equal_rewards_are_left_out_of_the_loss(monke
 @pytest.mark.parametrize("method_args", [{}, {"method": "chunk", "chunks": "2,3"}], ids=["steps", "chunks"])
 def test_micro_batches_bound_every_pass_and_add_up_to_the_minibatch_gradient(method_args, monkeypatch):
     """accumulate_gradients in pieces of `micro_batch` transitions gives the gradient of the whole minibatch
-    (KL term included), also when a chunk of several transitions falls into two pieces, and no forward pass
-    of the model holds more than `micro_batch` transitions."""
+    (KL term included). A piece never splits a chunk: it is closed only when the next chunk does not fit, and no
+    forward pass of the model holds more than `micro_batch` transitions or, where one chunk is longer, that chunk."""
     ctx = ctx_for({**method_args, "beta": 0.05}, b=1)
-    tr, _ = fgc.CREDIT_ASSIGNMENT[ctx.args.method](ctx)
+    tr, _ = fgc.METHODS[ctx.args.method].assign(ctx)
     chunk_sizes = torch.unique(tr.chunk_id, return_counts=True)[1]
     assert (chunk_sizes.max() > 1) == bool(method_args)
     params, passes, velocity = adapter_params(ctx.policy), [], ctx.policy.velocity
     monkeypatch.setattr(ctx.policy, "velocity", lambda x, *a: passes.append(len(x)) or velocity(x, *a))
+    pieces, real_loss = [], fgc.grpo_loss
+    monkeypatch.setattr(fgc, "grpo_loss", lambda policy, cond, piece, *a: pieces.append(piece.chunk_id)
+                        or real_loss(policy, cond, piece, *a))
 
     def gradients(micro_batch):
         for p in params:
             p.grad = None
         passes.clear()
+        pieces.clear()
         args = dataclasses.replace(ctx.args, micro_batch=micro_batch)
         stats = fgc.accumulate_gradients(ctx.policy, ctx.cond, tr, args)
         return [p.grad.clone() for p in params], stats
 
-    whole, whole_stats = gradients(0)
+    whole, whole_stats = gradients(len(tr))  # one piece
     assert len(whole_stats) == 1 and passes == [len(tr)] * 2, "one pass and its reference pass"
     scale = max(g.abs().max() for g in whole)
     assert scale > 0
     for size in (1, 2, 3, 7):
         parts, parts_stats = gradients(size)
-        assert len(parts_stats) == math.ceil(len(tr) / size) > 1 and max(passes) <= size
+        largest = max(size, int(chunk_sizes.max()))
+        assert len(parts_stats) == len(pieces) > 1
+        assert max(passes) <= largest and all(len(piece) <= largest for piece in pieces)
+        assert sorted(torch.cat(pieces).tolist()) == sorted(tr.chunk_id.tolist()), "each transition once"
+        assert len(torch.unique(torch.cat([piece.unique() for piece in pieces]))) == len(chunk_sizes), "chunks whole"
+        assert all(len(a) + int((tr.chunk_id == b[0]).sum()) > size for a, b in zip(pieces, pieces[1:])), "filled"
+        if not method_args:
+            assert len(pieces) == math.ceil(len(tr) / size)
         for a, b in zip(whole, parts):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5 * scale)
     for p in params:
@@ -842,7 +855,7 @@ def stated_objective(policy, cond, tr, args):
         return values.view(-1, 1, 1, 1)
 
     def mean_of(v):
-        t, t_next, x, a = col(tr.t), col(tr.t_next), tr.x, args.sde_level
+        t, t_next, x, a = col(tr.t), col(tr.t_next), tr.x, args.noise_level
         sigma = a * (t / (1 - torch.where(t >= 1, t_next, t))).sqrt()
         return x - (t - t_next) * (v + sigma**2 / (2 * t) * (x + (1 - t) * v))
 
@@ -893,7 +906,7 @@ def test_the_gradient_applied_is_the_stated_objective_s(case):
     if "guidance" in flags:
         base = ctx.policy
         ctx.policy = fgc.ToyPolicy(base.net, base.text_encoder, base.tokenizer, guidance=flags["guidance"])
-    tr, _ = fgc.CREDIT_ASSIGNMENT[ctx.args.method](ctx)
+    tr, _ = fgc.METHODS[ctx.args.method].assign(ctx)
     shift = (torch.rand(len(tr), generator=torch.Generator().manual_seed(0)) * 4 - 2) * ctx.args.clip_range
     tr = dataclasses.replace(tr, log_prob=tr.log_prob + shift, advantage=tr.advantage * 1.5)
     params = adapter_params(ctx.policy)
@@ -948,14 +961,15 @@ def test_trained_steps_under_every_sde_leave_out_near_deterministic_ones():
     grid = fgc.shifted_grid(10, shift=3.0)
     expected = {"flow": range(0, 9), "ddim": range(1, 8), "cps": range(0, 8)}
     for sde, steps in expected.items():
-        args = fgc.Args(sde=sde)
+        args = fgc.resolved(fgc.Args(sde=sde))
         trained = fgc.trainable_steps(grid, args)
         assert torch.nonzero(trained).flatten().tolist() == list(steps), sde
         norms = []
         for k in range(10):  # d log_prob / d v of one sample a step: the score's size
             gen = torch.Generator().manual_seed(k)
             x, v = torch.randn(4, 3, 16, 16, generator=gen), torch.randn(4, 3, 16, 16, generator=gen).requires_grad_()
-            log_prob = fgc.sde_step(x, v, grid[k], grid[k + 1], kind=sde, noise_level=args.sde_level, generator=gen)[1]
+            level = args.noise_level
+            log_prob = fgc.sde_step(x, v, grid[k], grid[k + 1], kind=sde, noise_level=level, gen=gen)[1]
             log_prob.sum().backward()
             norms.append(float(v.grad.norm()))
         ratio = torch.tensor(norms) / torch.tensor(norms)[trained].median()
@@ -1148,7 +1162,7 @@ def test_every_flag_is_an_args_field_whose_comment_is_its_help(capsys, monkeypat
     (["--method", "g2rpo", "--sde", "ddim", "--steps", "3"], "has no step to train"),
     (["--sde", "euler"], "flow, ddim, cps"),
     (["--sde", "cps", "--noise-level", "1.5"], "--noise-level of the cps SDE must be in (0, 1]"),
-    (["--ema", "1"], "--ema must be in [0, 1), got 1.0"),
+    (["--ema-decay", "1"], "--ema-decay must be in [0, 1), got 1.0"),
     (["--device", "cuda"], "no CUDA"),
     (["--out", "/proc/forbidden"], "cannot create"),
     (["--toy-base", "/no/such/toy"], "--toy-base /no/such/toy: no such folder"),
@@ -1182,7 +1196,7 @@ def test_benchmark_under_torchrun_is_a_one_line_error(monkeypatch, capsys):
 
 def test_the_reward_decodes_and_scores_micro_batch_images_at_a_time():
     """Stepwise scores B*G*S images an iteration: the reward takes them `micro_batch` at a time, and real
-    models get a micro-batch of 4 unless told otherwise (the toy: all at once)."""
+    models get a micro-batch of 4 unless told otherwise (the toy 128)."""
     sizes = []
 
     def reward(images, metas):
@@ -1193,7 +1207,7 @@ def test_the_reward_decodes_and_scores_micro_batch_images_at_a_time():
     x = torch.randn(8, 3, 16, 16)
     r = ctx.reward(x, torch.zeros(8, dtype=torch.long))
     assert sizes == [3, 3, 2] and torch.allclose(r, ctx.policy.decode(x).mean((1, 2, 3)))
-    assert fgc.resolved(fgc.Args(model="./sd3")).micro_batch == 4 and fgc.resolved(fgc.Args()).micro_batch == 0
+    assert fgc.resolved(fgc.Args(model="./sd3")).micro_batch == 4 and fgc.resolved(fgc.Args()).micro_batch == 128
     assert fgc.resolved(fgc.Args(model="./sd3", micro_batch=2)).micro_batch == 2
 
 
@@ -1234,27 +1248,62 @@ def test_moving_average_warms_up_as_flow_grpo_and_ema_applied_restores_the_live_
         return {k: v for k, v in state.items() if k not in ("shadow_params", "optimization_step")}
 
     saved = torch.load(run / "checkpoint.pt", weights_only=True)["ema"]
-    assert settings(saved) == settings(EMAModel([p], decay=args.ema).state_dict())
+    assert settings(saved) == settings(EMAModel([p], decay=args.ema_decay).state_dict())
 
 
 def test_every_method_has_a_default_run_length_and_lr_and_a_flag_given_keeps_its_value():
     """--iterations 0 and --lr 0 (the defaults) pick the method's run length and lr (a method without them would
     fail only when a user runs it); G2RPO's noise level is its code's 0.7; a value given is never replaced."""
-    assert fgc.Args().iterations == 0 == fgc.Args().lr and fgc.METHOD_DEFAULTS.keys() == fgc.CREDIT_ASSIGNMENT.keys()
-    for method in fgc.CREDIT_ASSIGNMENT:
+    assert fgc.Args().iterations == 0 == fgc.Args().lr and all(m.iterations and m.lr for m in fgc.METHODS.values())
+    for method in fgc.METHODS:
         args = fgc.validate(fgc.Args(method=method))
-        assert args.iterations >= 1 and args.lr > 0 and args.lr == fgc.METHOD_DEFAULTS[method]["lr"]
-        assert args.sde_level == (0.7 if method == "g2rpo" else 1.0)
+        assert args.iterations >= 1 and args.lr > 0 and args.lr == fgc.METHODS[method].lr
+        assert args.noise_level == (0.7 if method == "g2rpo" else 1.0)
     given = fgc.validate(fgc.Args(method="g2rpo", lr=1e-3, noise_level=1.0, iterations=3))
-    assert (given.lr, given.sde_level, given.iterations) == (1e-3, 1.0, 3)
+    assert (given.lr, given.noise_level, given.iterations) == (1e-3, 1.0, 3)
     for sde, level in fgc.SDE_LEVELS.items():  # G2RPO's 0.7 is its flow SDE's a; ddim and cps keep their own eta
-        assert fgc.validate(fgc.Args(method="g2rpo", sde=sde)).sde_level == (0.7 if sde == "flow" else level)
+        assert fgc.validate(fgc.Args(method="g2rpo", sde=sde)).noise_level == (0.7 if sde == "flow" else level)
+
+
+def test_a_default_run_s_args_hold_what_ran_and_records_written_before_read_the_same():
+    """resolved fills every 0 that leaves a value to the method, the SDE or the model (toy: guidance 1, LoRA 16/16,
+    128 samples a pass), and is idempotent; a record's args written with 0s for them gives the same run and label."""
+    args = fgc.validate(fgc.Args())
+    filled = ("iterations", "lr", "noise_level", "micro_batch", "guidance", "lora_rank", "lora_alpha")
+    assert all(getattr(args, k) for k in filled) and fgc.resolved(args) == args
+    assert (args.guidance, args.lora_rank, args.lora_alpha, args.micro_batch) == (1.0, 16, 16.0, 128)
+    saved = {**dataclasses.asdict(fgc.Args(method="g2rpo")), "lr_schedule": "constant"}  # a field that is gone
+    for former, name in fgc.FORMER_NAMES.items():
+        saved[former] = saved.pop(name)
+    assert fgc.resolved(fgc.args_of(saved)) == fgc.validate(fgc.Args(method="g2rpo"))
+    assert fgc.run_label(fgc.args_of(saved)) == "g2rpo"
+    real = fgc.resolved(fgc.Args(model="some/sd3"))  # a pipeline's guidance is its own (SD3 4.5, FLUX 3.5)
+    assert (real.micro_batch, real.lora_rank, real.lora_alpha, real.guidance) == (4, 32, 64.0, 0.0)
+
+
+def test_a_method_registered_with_its_defaults_trains_and_one_without_them_is_a_one_line_error(
+        tiny_cache, tmp_path, monkeypatch, capsys):
+    """A sixth method is one METHODS entry: registered with its defaults it trains (under the defaults it states); one
+    without a default learning rate is a one-line UsageError naming it, exit status 2, unless --lr is given."""
+    monkeypatch.setitem(fgc.METHODS, "sixth", fgc.Method(fgc.flow_grpo, iterations=2, lr=5e-3))
+    monkeypatch.setattr(fgc, "toy_strict_reward", lambda images, metas, penalty: images.mean((1, 2, 3)).cpu())
+    history = fgc.train(tiny_args(tiny_cache, tmp_path / "sixth", method="sixth", iterations=0))
+    steps = [h for h in history if "reward_mean" in h]
+    assert len(steps) == 2 and all(h["trained"] > 0 and h["lr"] == 5e-3 for h in steps)
+    monkeypatch.setitem(fgc.METHODS, "seventh", fgc.Method(fgc.flow_grpo, iterations=2))
+    out = tmp_path / "seventh"
+    flags = ["--method", "seventh", "--toy-base", str(Path(tiny_cache) / "toy"), "--out", str(out)]
+    capsys.readouterr()  # the sixth's progress bar
+    assert fgc.main(flags) == 2 and not out.exists()
+    err = capsys.readouterr().err
+    assert err == "error: --method seventh is registered without a default lr: give --lr\n", err
+    assert fgc.validate(fgc.Args(method="seventh", lr=1e-3)).lr == 1e-3
 
 
 def test_setup_resolves_the_method_s_lr_itself():
     """setup(Args()) called directly (as a notebook may) gets the method's lr, not the 0 that means "the method's"."""
     parts = fgc.setup(fgc.Args(), fgc.Dist())
-    assert parts.opt.param_groups[0]["lr"] == fgc.METHOD_DEFAULTS["flow_grpo"]["lr"] > 0
+    assert parts.opt.param_groups[0]["lr"] == fgc.METHODS["flow_grpo"].lr > 0
 
 
 def test_parse_args_reads_every_flag_and_parse_ints_names_the_flag():
@@ -1360,21 +1409,21 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_cache, tmp_pat
     """A run killed in iteration 3 and resumed from its checkpoint (a weights-only load) ends with the
     metrics, adapter, moving average and lr of the run that was never stopped; the lr is constant."""
     full = fgc.train(tiny_args(tiny_cache, tmp_path / "full", iterations=4))
-    lr = fgc.METHOD_DEFAULTS["flow_grpo"]["lr"]
+    lr = fgc.METHODS["flow_grpo"].lr
     assert [h["lr"] for h in full if "lr" in h] == [lr] * 4
     calls = {"n": 0}
-    real = fgc.CREDIT_ASSIGNMENT["flow_grpo"]
+    real = fgc.METHODS["flow_grpo"]
 
     def dies_in_iteration_3(ctx):
         calls["n"] += 1
         if calls["n"] == 3:
             raise KeyboardInterrupt
-        return real(ctx)
+        return real.assign(ctx)
 
-    monkeypatch.setitem(fgc.CREDIT_ASSIGNMENT, "flow_grpo", dies_in_iteration_3)
+    monkeypatch.setitem(fgc.METHODS, "flow_grpo", dataclasses.replace(real, assign=dies_in_iteration_3))
     with pytest.raises(KeyboardInterrupt):
         fgc.train(tiny_args(tiny_cache, tmp_path / "killed", iterations=4))
-    monkeypatch.setitem(fgc.CREDIT_ASSIGNMENT, "flow_grpo", real)
+    monkeypatch.setitem(fgc.METHODS, "flow_grpo", real)
     run = next((tmp_path / "killed").iterdir())
     assert torch.load(run / "checkpoint.pt", weights_only=True)["iteration"] == 2
     args = fgc.parse_args(["--run", str(run)])
@@ -1399,7 +1448,7 @@ def test_a_resume_refuses_the_flags_its_checkpoint_fixes(tiny_run, tiny_cache, t
     longer run is fine: the lr is constant."""
     args, run, _ = tiny_run
     before = (run / "args.json").read_text()
-    for flag, value in [("--lr", "0.5"), ("--weight-decay", "0.1"), ("--ema", "0.5")]:
+    for flag, value in [("--lr", "0.5"), ("--weight-decay", "0.1"), ("--ema-decay", "0.5")]:
         assert fgc.main(["--run", str(run), flag, value]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and f"{flag} is" in err and "start a new run" in err
@@ -1408,7 +1457,7 @@ def test_a_resume_refuses_the_flags_its_checkpoint_fixes(tiny_run, tiny_cache, t
     assert saved["optimizer"]["param_groups"][0]["lr"] == json.loads(before)["lr"] == args.lr
     fgc.train(tiny_args(tiny_cache, tmp_path, iterations=1))
     longer = fgc.train(fgc.parse_args(["--run", str(next(tmp_path.iterdir())), "--iterations", "2"]))
-    assert [h["lr"] for h in longer if "lr" in h] == [fgc.METHOD_DEFAULTS["flow_grpo"]["lr"]] * 2
+    assert [h["lr"] for h in longer if "lr" in h] == [fgc.METHODS["flow_grpo"].lr] * 2
 
 
 def test_chunk_boundaries_come_from_the_base_model_also_when_a_run_resumes(tiny_cache, tmp_path, monkeypatch):
@@ -1531,15 +1580,23 @@ def test_a_run_counts_groups_with_equal_rewards_and_trains_only_the_others(tiny_
 
 def test_a_second_writer_of_a_run_folder_is_a_one_line_error(tiny_run, tmp_path):
     """A run folder has one writer: while a process holds it, a second start in the same folder is refused."""
-    import fcntl
     import shutil
+
+    from filelock import FileLock
     args, run, _ = tiny_run
     copy = tmp_path / run.name
     shutil.copytree(run, copy)
-    with (copy / ".lock").open("w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with FileLock(copy / ".lock", timeout=0):
         with pytest.raises(fgc.UsageError, match="being written by another process"):
             fgc.train(dataclasses.replace(args, iterations=3, run=str(copy)))
+
+
+def test_the_script_imports_and_reads_its_flags_where_fcntl_is_absent():
+    """Windows has no fcntl: the script imports without it (the run folder's lock goes through filelock)."""
+    code = ("import sys; sys.modules['fcntl'] = None; import flow_grpo_credit as fgc; "
+            "print(fgc.parse_args(['--method', 'chunk']).method)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout == "chunk\n", done.stderr
 
 
 def test_the_moving_average_steps_only_after_an_optimizer_step(tiny_cache, tmp_path, monkeypatch):
@@ -1583,7 +1640,7 @@ def test_a_checkpoint_holds_only_data_and_loads_onto_the_cpu(tiny_run, tmp_path)
     assert saved["iteration"] == 2 and saved["ema"]["optimization_step"] == 2
     real = fgc.load_toy(args, torch.device("cpu"))
     params = fgc.add_lora(real, args)
-    opt, ema = torch.optim.AdamW(params, lr=args.lr), EMAModel(params, decay=args.ema)
+    opt, ema = torch.optim.AdamW(params, lr=args.lr), EMAModel(params, decay=args.ema_decay)
     policy = types.SimpleNamespace(device=torch.device("meta"), net=real.net, denoiser=real.net)
     shutil.copytree(run, tmp_path / "run")  # open rewrites the folder's args.json and metrics.jsonl
     folder = fgc.RunFolder(dataclasses.replace(args, run=str(tmp_path / "run")), fgc.Dist())
@@ -1636,7 +1693,7 @@ torch.save({{"trained": [p.detach() for p in params], "init": init}}, {str(tmp_p
     assert len(runs) == 1, "only rank 0 writes a run folder"
     lines = [json.loads(line) for line in (runs[0] / "metrics.jsonl").read_text().splitlines()]
     first = next(h for h in lines if h["iteration"] == 1 and "reward_mean" in h)
-    assert first["reward_calls"] == 2 * 2, "both ranks' images (2 prompts x 1 member each) are counted"
+    assert first["images_scored"] == 2 * 2, "both ranks' images (2 prompts x 1 member each) are counted"
     train_lines = [h for h in lines if "reward_mean" in h]
     assert [h["zero_std_frac"] for h in train_lines] == [0.0, 0.0], "groups spanning ranks were normalised whole"
 
@@ -1648,7 +1705,7 @@ def test_group_advantages_under_torchrun_equal_the_single_process_ones(tmp_path)
     script.write_text(f"""import os, sys, torch
 sys.path.insert(0, {str(HERE)!r})
 import flow_grpo_credit as fgc
-dist = fgc.Dist.setup(torch.device("cpu"))
+dist = fgc.Dist.join(torch.device("cpu"))
 r = torch.arange(8.0) ** 2 + dist.rank * 5  # rank 0: members 0-7, rank 1: members 8-15
 group = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])  # every group has 2 members here and 2 on the other rank
 ctx = fgc.Context(None, fgc.Args(), fgc.Meter(), fgc.generator(0), [], {{}}, torch.zeros(2), None, dist=dist)
@@ -1816,9 +1873,10 @@ def test_every_method_trains_a_real_pipeline_a_sample_a_pass_and_its_lora_loads_
         "reward", len(images)) or score(images, metas)))
     for name, fn in [("chunk profile", fgc.chunk_sizes_of), ("training", fgc.update), ("evaluation", fgc.evaluate)]:
         monkeypatch.setattr(fgc, fn.__name__, in_phase(name, fn))
-    for method, fn in fgc.CREDIT_ASSIGNMENT.items():
-        monkeypatch.setitem(fgc.CREDIT_ASSIGNMENT, method, in_phase("sampling", fn))
-    for method in fgc.CREDIT_ASSIGNMENT:
+    for method, registered in fgc.METHODS.items():
+        monkeypatch.setitem(fgc.METHODS, method, dataclasses.replace(registered, assign=in_phase("sampling",
+                                                                                                registered.assign)))
+    for method in fgc.METHODS:
         largest.clear()
         chunked = {"chunks": "auto", "num_chunks": 2} if method == "chunk" else {}  # 3 steps in 2 chunks
         history = fgc.train(real_args(tiny_real, tmp_path / method, model, method=method, micro_batch=1, **chunked))
@@ -1857,7 +1915,7 @@ def test_every_method_trains_a_bf16_pipeline_on_policy_and_saves_an_fp32_lora(ti
     range; the sampling and training passes see different batches), and the adapter trains and saves in fp32."""
     from safetensors.torch import load_file
 
-    for method in fgc.CREDIT_ASSIGNMENT:
+    for method in fgc.METHODS:
         history = fgc.train(real_args(tiny_real, tmp_path / method, model, method=method, dtype="bf16"))
         step = next(h for h in history if "reward_mean" in h)
         assert step["trained"] > 0 and all(np.isfinite(step[k]) for k in ("policy_loss", "grad_norm", "approx_kl"))
@@ -2190,20 +2248,20 @@ def test_a_killed_run_started_again_ends_with_the_record_of_an_unbroken_one(tiny
         return record | {"seconds": None, "args": record["args"] | {"run": None}, "evaluations": evaluations}
 
     fgc.train(tiny_args(tiny_cache, tmp_path, iterations=4, eval_every=2, run=str(tmp_path / "unbroken")))
-    real, calls = fgc.CREDIT_ASSIGNMENT["flow_grpo"], {"n": 0}
+    real, calls = fgc.METHODS["flow_grpo"], {"n": 0}
 
     def dies_in_iteration_3(ctx):
         calls["n"] += 1
         if calls["n"] == 3:
             raise KeyboardInterrupt  # as a kill: no record
-        return real(ctx)
+        return real.assign(ctx)
 
     args = tiny_args(tiny_cache, tmp_path, iterations=4, eval_every=2, run=str(tmp_path / "killed"))
-    monkeypatch.setitem(fgc.CREDIT_ASSIGNMENT, "flow_grpo", dies_in_iteration_3)
+    monkeypatch.setitem(fgc.METHODS, "flow_grpo", dataclasses.replace(real, assign=dies_in_iteration_3))
     with pytest.raises(KeyboardInterrupt):
         fgc.train(args)
     assert not (tmp_path / "killed" / "record.json").exists()
-    monkeypatch.setitem(fgc.CREDIT_ASSIGNMENT, "flow_grpo", real)
+    monkeypatch.setitem(fgc.METHODS, "flow_grpo", real)
     fgc.train(args)
     assert record_of(tmp_path / "killed") == record_of(tmp_path / "unbroken")
 
