@@ -138,8 +138,8 @@ def kl_per_transition(tr):
     v = policy.velocity(tr.x, tr.t, cond)
     with fgc.adapter_disabled(policy.net):
         v_ref = policy.velocity(tr.x, tr.t, cond)
-    mean = fgc.sde_step(tr.x, v, tr.t, tr.t_next, noise_level=args.sde_level, prev_sample=tr.x_next)[2]
-    mean_ref = fgc.sde_step(tr.x, v_ref, tr.t, tr.t_next, noise_level=args.sde_level, prev_sample=tr.x_next)[2]
+    mean = fgc.sde_step(tr.x, v, tr.t, tr.t_next, noise_level=args.noise_level, prev_sample=tr.x_next)[2]
+    mean_ref = fgc.sde_step(tr.x, v_ref, tr.t, tr.t_next, noise_level=args.noise_level, prev_sample=tr.x_next)[2]
     return ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * tr.std**2)
 ''',
         wrong={
@@ -149,8 +149,8 @@ def kl_per_transition(tr):
     v = policy.velocity(tr.x, tr.t, cond)
     with fgc.adapter_disabled(policy.net):
         v_ref = policy.velocity(tr.x, tr.t, cond)
-    mean = fgc.sde_step(tr.x, v, tr.t, tr.t_next, noise_level=args.sde_level, prev_sample=tr.x_next)[2]
-    mean_ref = fgc.sde_step(tr.x, v_ref, tr.t, tr.t_next, noise_level=args.sde_level, prev_sample=tr.x_next)[2]
+    mean = fgc.sde_step(tr.x, v, tr.t, tr.t_next, noise_level=args.noise_level, prev_sample=tr.x_next)[2]
+    mean_ref = fgc.sde_step(tr.x, v_ref, tr.t, tr.t_next, noise_level=args.noise_level, prev_sample=tr.x_next)[2]
     return fgc.gaussian_kl(mean, mean_ref, tr.std)
 ''',
             "shortcut: grpo_loss's mean KL for every transition": '''
@@ -167,8 +167,8 @@ def kl_per_transition(tr):
     v = policy.velocity(tr.x, tr.t, cond)
     with fgc.adapter_disabled(policy.net):
         v_ref = policy.velocity(tr.x, tr.t, cond)
-    mean = fgc.sde_step(tr.x, v, tr.t, tr.t_next, noise_level=args.sde_level, prev_sample=tr.x_next)[2]
-    mean_ref = fgc.sde_step(tr.x, v_ref, tr.t, tr.t_next, noise_level=args.sde_level, prev_sample=tr.x_next)[2]
+    mean = fgc.sde_step(tr.x, v, tr.t, tr.t_next, noise_level=args.noise_level, prev_sample=tr.x_next)[2]
+    mean_ref = fgc.sde_step(tr.x, v_ref, tr.t, tr.t_next, noise_level=args.noise_level, prev_sample=tr.x_next)[2]
     sigma2 = tr.std**2 / (tr.t - tr.t_next)
     return ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * sigma2)
 ''',
@@ -178,8 +178,8 @@ def kl_per_transition(tr):
     v = policy.velocity(tr.x, tr.t, cond)
     with fgc.adapter_disabled(policy.net):
         v_ref = policy.velocity(tr.x, tr.t, cond)
-    mean = fgc.sde_step(tr.x, v, tr.t, tr.t_next, noise_level=args.sde_level, prev_sample=tr.x_next)[2]
-    mean_ref = fgc.sde_step(tr.x, v_ref, tr.t, tr.t_next, noise_level=args.sde_level, prev_sample=tr.x_next)[2]
+    mean = fgc.sde_step(tr.x, v, tr.t, tr.t_next, noise_level=args.noise_level, prev_sample=tr.x_next)[2]
+    mean_ref = fgc.sde_step(tr.x, v_ref, tr.t, tr.t_next, noise_level=args.noise_level, prev_sample=tr.x_next)[2]
     return ((mean - mean_ref) ** 2).flatten(1).sum(1) / (2 * tr.std**2)
 ''',
         }),
@@ -254,7 +254,7 @@ def tempflow_weights(grid, args):
             "sigma_t instead of the transition std s_k": '''
 def tempflow_weights(grid, args):
     t, t_next = grid[:-1], grid[1:]
-    sigma = args.sde_level * torch.sqrt(t / (1 - torch.where(t >= 1, t_next, t)))
+    sigma = args.noise_level * torch.sqrt(t / (1 - torch.where(t >= 1, t_next, t)))
     return sigma / sigma[fgc.trainable_steps(grid, args)].mean()
 ''',
         }),
@@ -307,11 +307,11 @@ WINDOW = 3
 
 
 def sde_window(ctx):
-    b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
+    b, g, n_steps = len(ctx.metas), ctx.group_per_rank, len(ctx.grid) - 1
     allowed = torch.nonzero(ctx.trainable).flatten()
     start = int(allowed[torch.randint(len(allowed) - WINDOW + 1, (1,), generator=ctx.shared_gen)])
     window = (torch.arange(n_steps) >= start) & (torch.arange(n_steps) < start + WINDOW)
-    prompt = fgc.repeat(torch.arange(b), g)
+    prompt = fgc.repeat_each(torch.arange(b), g)
     traj = ctx.sample(prompt, fgc.initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, window.tolist())
     r = ctx.reward(traj.states[:, -1], prompt)
     adv = ctx.advantages(r, prompt)[:, None]
@@ -340,9 +340,9 @@ WINDOW = 3
 
 
 def sde_window(ctx):
-    b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
+    b, g, n_steps = len(ctx.metas), ctx.group_per_rank, len(ctx.grid) - 1
     window = torch.arange(n_steps) < WINDOW
-    prompt = fgc.repeat(torch.arange(b), g)
+    prompt = fgc.repeat_each(torch.arange(b), g)
     traj = ctx.sample(prompt, fgc.initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, window.tolist())
     r = ctx.reward(traj.states[:, -1], prompt)
     return fgc.transitions_from(traj, prompt, ctx.advantages(r, prompt)[:, None], window & ctx.trainable), r
@@ -352,11 +352,11 @@ WINDOW = 3
 
 
 def sde_window(ctx):
-    b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
+    b, g, n_steps = len(ctx.metas), ctx.group_per_rank, len(ctx.grid) - 1
     allowed = torch.nonzero(ctx.trainable).flatten()
     start = int(allowed[torch.randint(len(allowed) - WINDOW + 1, (1,), generator=ctx.shared_gen)])
     window = (torch.arange(n_steps) >= start) & (torch.arange(n_steps) < start + WINDOW)
-    prompt = fgc.repeat(torch.arange(b), g)
+    prompt = fgc.repeat_each(torch.arange(b), g)
     sde = (torch.arange(n_steps) < start + WINDOW).tolist()
     traj = ctx.sample(prompt, fgc.initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, sde)
     r = ctx.reward(traj.states[:, -1], prompt)
@@ -367,12 +367,12 @@ WINDOW = 3
 
 
 def sde_window(ctx):
-    b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
+    b, g, n_steps = len(ctx.metas), ctx.group_per_rank, len(ctx.grid) - 1
     allowed = torch.nonzero(ctx.trainable).flatten()
     start = int(allowed[torch.randint(len(allowed) - WINDOW, (1,), generator=ctx.shared_gen)])
     window = (torch.arange(n_steps) >= start) & (torch.arange(n_steps) < start + WINDOW)
     trained = (torch.arange(n_steps) > start) & (torch.arange(n_steps) <= start + WINDOW)
-    prompt = fgc.repeat(torch.arange(b), g)
+    prompt = fgc.repeat_each(torch.arange(b), g)
     traj = ctx.sample(prompt, fgc.initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, window.tolist())
     r = ctx.reward(traj.states[:, -1], prompt)
     return fgc.transitions_from(traj, prompt, ctx.advantages(r, prompt)[:, None], trained & ctx.trainable), r
@@ -382,10 +382,10 @@ WINDOW = 3
 
 
 def sde_window(ctx):
-    b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
+    b, g, n_steps = len(ctx.metas), ctx.group_per_rank, len(ctx.grid) - 1
     start = int(torch.randint(n_steps - WINDOW + 1, (1,), generator=ctx.shared_gen))
     window = (torch.arange(n_steps) >= start) & (torch.arange(n_steps) < start + WINDOW)
-    prompt = fgc.repeat(torch.arange(b), g)
+    prompt = fgc.repeat_each(torch.arange(b), g)
     traj = ctx.sample(prompt, fgc.initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, window.tolist())
     r = ctx.reward(traj.states[:, -1], prompt)
     return fgc.transitions_from(traj, prompt, ctx.advantages(r, prompt)[:, None], window & ctx.trainable), r
@@ -395,11 +395,11 @@ WINDOW = 3
 
 
 def sde_window(ctx):
-    b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
+    b, g, n_steps = len(ctx.metas), ctx.group_per_rank, len(ctx.grid) - 1
     allowed = torch.nonzero(ctx.trainable).flatten()
     start = int(allowed[torch.randint(len(allowed) - WINDOW, (1,), generator=ctx.shared_gen)])
     window = (torch.arange(n_steps) >= start) & (torch.arange(n_steps) < start + WINDOW)
-    prompt = fgc.repeat(torch.arange(b), g)
+    prompt = fgc.repeat_each(torch.arange(b), g)
     traj = ctx.sample(prompt, fgc.initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, window.tolist())
     r = ctx.reward(traj.states[:, -1], prompt)
     return fgc.transitions_from(traj, prompt, ctx.advantages(r, prompt)[:, None], window & ctx.trainable), r
@@ -409,11 +409,11 @@ WINDOW = 3
 
 
 def sde_window(ctx):
-    b, g, n_steps = len(ctx.metas), ctx.group_size, len(ctx.grid) - 1
+    b, g, n_steps = len(ctx.metas), ctx.group_per_rank, len(ctx.grid) - 1
     allowed = torch.nonzero(ctx.trainable).flatten()
     start = int(allowed[torch.randint(len(allowed) - WINDOW + 1, (1,), generator=ctx.gen)])
     window = (torch.arange(n_steps) >= start) & (torch.arange(n_steps) < start + WINDOW)
-    prompt = fgc.repeat(torch.arange(b), g)
+    prompt = fgc.repeat_each(torch.arange(b), g)
     traj = ctx.sample(prompt, fgc.initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, window.tolist())
     r = ctx.reward(traj.states[:, -1], prompt)
     return fgc.transitions_from(traj, prompt, ctx.advantages(r, prompt)[:, None], window & ctx.trainable), r
@@ -437,7 +437,7 @@ prediction = {"clips_with_1": False, "clips_with_8": True, "most_clipped_step": 
     "member_noise": Exercise(
         solution='''
 def member_noise(ctx):
-    return fgc.initial_noise(ctx.policy, len(ctx.metas) * ctx.group_size, ctx.gen)
+    return fgc.initial_noise(ctx.policy, len(ctx.metas) * ctx.group_per_rank, ctx.gen)
 
 
 answer = "B"
@@ -445,22 +445,22 @@ answer = "B"
         wrong={
             "shortcut: Stepwise's own noise, one a group, and its telescoping answer": '''
 def member_noise(ctx):
-    b, g = len(ctx.metas), ctx.group_size
-    return fgc.repeat(fgc.initial_noise(ctx.policy, b, ctx.shared_gen), g)
+    b, g = len(ctx.metas), ctx.group_per_rank
+    return fgc.repeat_each(fgc.initial_noise(ctx.policy, b, ctx.shared_gen), g)
 
 
 answer = "A"
 ''',
             "a noise of its own, but the final reward as before": '''
 def member_noise(ctx):
-    return fgc.initial_noise(ctx.policy, len(ctx.metas) * ctx.group_size, ctx.gen)
+    return fgc.initial_noise(ctx.policy, len(ctx.metas) * ctx.group_per_rank, ctx.gen)
 
 
 answer = "A"
 ''',
             "one noise for every member of every prompt": '''
 def member_noise(ctx):
-    b, g = len(ctx.metas), ctx.group_size
+    b, g = len(ctx.metas), ctx.group_per_rank
     return fgc.initial_noise(ctx.policy, 1, ctx.gen).expand(b * g, -1, -1, -1).clone()
 
 
@@ -468,14 +468,14 @@ answer = "B"
 ''',
             "uniform noise in [0, 1) instead of standard normal": '''
 def member_noise(ctx):
-    return torch.rand(ctx.policy.latent_shape(len(ctx.metas) * ctx.group_size), generator=ctx.gen)
+    return torch.rand(ctx.policy.latent_shape(len(ctx.metas) * ctx.group_per_rank), generator=ctx.gen)
 
 
 answer = "B"
 ''',
             "the reward of the start alone": '''
 def member_noise(ctx):
-    return fgc.initial_noise(ctx.policy, len(ctx.metas) * ctx.group_size, ctx.gen)
+    return fgc.initial_noise(ctx.policy, len(ctx.metas) * ctx.group_per_rank, ctx.gen)
 
 
 answer = "C"
