@@ -2827,3 +2827,140 @@ def test_notebook_04_finds_the_kl_that_keeps_the_gold_and_the_methods_gains_as_w
         end = fgc.METHOD_DEFAULTS[method]["iterations"]
         difference = np.mean([pref_gold(method, 0, s, end) - pref_gold("flow_grpo", 0, s, end) for s in range(3)])
         assert f"| {method} | 3 | {difference:+.3f} | 0.010 |" in text, method
+
+
+# ----------------------------------------------------------------------------------------------------
+# unreadable files: a run folder's is a one-line error that changes nothing, a base cache entry's is a miss, a model
+# folder's is a one-line error naming the part
+
+CUTS = {"empty": lambda n: 0, "a few bytes": lambda n: 8, "half": lambda n: n // 2,
+        "all but 64 bytes": lambda n: n - 64, "the last 3 bytes lost": lambda n: n - 3}  # bytes kept of n
+
+
+def files_of(folder: Path) -> dict:
+    """Every file under `folder` and its bytes: what a failed start leaves as it was."""
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def cut_short(file: Path, cut: str | None) -> None:
+    """The file cut short as CUTS[cut] says, or gone (cut None)."""
+    if cut is None:
+        return file.unlink()
+    data = file.read_bytes()
+    file.write_bytes(data[:CUTS[cut](len(data))])
+
+
+def fails_in_one_line(capfd, argv: list, folder: Path, *needles: str) -> None:
+    """The CLI's main(argv) returns 2 with one line on stderr that holds every needle, and `folder` is byte-for-byte
+    as it was."""
+    before = files_of(folder)
+    capfd.readouterr()
+    assert fgc.main(argv) == 2
+    err = capfd.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and all(needle in err for needle in needles), err
+    assert files_of(folder) == before
+
+
+@pytest.mark.parametrize("cut", ["empty", "a few bytes", "half", "all but 64 bytes"])
+def test_a_resume_from_a_truncated_checkpoint_is_a_one_line_error_that_changes_nothing(tiny_run, tmp_path, capfd, cut):
+    """A partial copy or a full disk: two more iterations of a finished run resume from its checkpoint, which is cut
+    short; the error names the file and its folder and says what to do."""
+    _, run, _ = tiny_run
+    copy = shutil.copytree(run, tmp_path / run.name)
+    cut_short(copy / "checkpoint.pt", cut)
+    fails_in_one_line(capfd, ["--run", str(copy), "--iterations", "4"], copy, "checkpoint.pt", str(copy), "restore it")
+
+
+@pytest.mark.parametrize("name", ["args.json", "record.json", "metrics.jsonl"])
+def test_a_damaged_json_file_of_a_run_folder_is_a_one_line_error_that_changes_nothing(tiny_run, tmp_path, capfd, name):
+    """Edited by hand or copied in part: --run FOLDER reads args.json, and the finished run's record.json and
+    metrics.jsonl."""
+    _, run, _ = tiny_run
+    copy = shutil.copytree(run, tmp_path / run.name)
+    cut_short(copy / name, "the last 3 bytes lost")
+    fails_in_one_line(capfd, ["--run", str(copy)], copy, name, str(copy), "restore it")
+
+
+def test_a_resume_through_train_reads_a_damaged_args_json_as_a_one_line_error_that_changes_nothing(tiny_run, tmp_path):
+    args, run, _ = tiny_run
+    copy = shutil.copytree(run, tmp_path / run.name)
+    cut_short(copy / "args.json", "half")
+    before = files_of(copy)
+    with pytest.raises(fgc.UsageError, match=re.escape(f"args.json in {copy}")) as err:
+        fgc.train(dataclasses.replace(args, run=str(copy), iterations=4))
+    assert "\n" not in str(err.value) and files_of(copy) == before
+
+
+@pytest.fixture(scope="session")
+def cached_base_run(tiny_cache, tmp_path_factory):
+    """(args, record) of a finished 1-iteration toy run that evaluated its base into a cache of its own."""
+    root = tmp_path_factory.mktemp("cached_base")
+    args = tiny_args(tiny_cache, root, iterations=1, base_cache=True, cache_dir=str(root / "cache"),
+                     run=str(root / "run"))
+    fgc.train(args)
+    return args, json.loads((root / "run" / "record.json").read_text())
+
+
+def timeless(record: dict) -> dict:
+    """A record but for its times and where it ran."""
+    evaluations = [e | {"wall_s": None} for e in [record["base"], *record["evaluations"]]]
+    args = {k: v for k, v in record["args"].items() if k not in fgc.NOT_SHAPING}
+    return record | {"seconds": None, "args": args, "base": None, "evaluations": evaluations}
+
+
+@pytest.mark.parametrize("cut", ["empty", "half"])
+def test_an_unreadable_base_cache_entry_is_a_miss_evaluated_again_rewritten_and_the_record_is_a_clean_cache_s(
+        cached_base_run, tmp_path, capfd, monkeypatch, cut):
+    """A synced or half-copied cache: the run warns in one line, evaluates the base again, gives the record of a run
+    from a clean cache, and leaves a readable entry for the next run."""
+    args, clean = cached_base_run
+    cache = shutil.copytree(args.cache_dir, tmp_path / "cache")
+    entry, = (cache / "base_eval").glob("*.pt")
+    cut_short(entry, cut)
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    capfd.readouterr()
+    fgc.train(dataclasses.replace(args, cache_dir=str(cache), run=str(tmp_path / "run")))
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: ") and entry.name in err[0] and str(entry.parent) in err[0]
+    assert timeless(json.loads((tmp_path / "run" / "record.json").read_text())) == timeless(clean)
+    metrics, _, metas, scores = torch.load(entry, weights_only=True)
+    first = torch.load(Path(args.cache_dir) / "base_eval" / entry.name, weights_only=True)
+    assert (metrics, metas) == (first[0], first[2]) and all(torch.equal(v, first[3][k]) for k, v in scores.items())
+
+
+TOY_DAMAGES = {"unet weights missing": ("unet/diffusion_pytorch_model.safetensors", None),
+               "unet weights cut short": ("unet/diffusion_pytorch_model.safetensors", "half"),
+               "text encoder config missing": ("text_encoder/config.json", None),
+               "text encoder weights cut short": ("text_encoder/model.safetensors", "a few bytes"),
+               "tokenizer config missing": ("tokenizer/tokenizer_config.json", None),
+               "tokenizer cut short": ("tokenizer/tokenizer.json", "half")}
+
+
+@pytest.mark.parametrize("damage", list(TOY_DAMAGES))
+def test_a_toy_base_folder_missing_or_damaging_a_part_is_a_one_line_error_naming_it(tiny_cache, tmp_path, damage):
+    """The script itself (the libraries' own log lines reach the terminal, not a test's capture): status 2, one line
+    naming the folder and the part, the folder as it was, and no run folder made."""
+    name, cut = TOY_DAMAGES[damage]
+    folder = shutil.copytree(Path(tiny_cache) / "toy", tmp_path / "toy")
+    cut_short(folder / name, cut)
+    before = files_of(folder)
+    argv = ["--toy-base", str(folder), "--out", str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "cache")]
+    proc = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert str(folder) in proc.stderr and name.split("/")[0] in proc.stderr, proc.stderr
+    assert files_of(folder) == before and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("flag,source,name", [("model", "sd3", "transformer/diffusion_pytorch_model.safetensors"),
+                                              ("model", "sd3", "text_encoder/model.safetensors"),
+                                              ("reward_model", "clip", "model.safetensors")])
+@pytest.mark.parametrize("cut", [None, "half"])
+def test_a_local_model_folder_missing_or_damaging_a_part_is_a_one_line_error_naming_it(tiny_real, tmp_path, flag,
+                                                                                        source, name, cut):
+    folder = shutil.copytree(tiny_real / source, tmp_path / "model")
+    cut_short(folder / name, cut)
+    with pytest.raises(fgc.UsageError) as err:
+        fgc.train(real_args(tiny_real, tmp_path / "runs", **{flag: str(folder)}))
+    assert "\n" not in str(err.value) and str(folder) in str(err.value) and name.split("/")[0] in str(err.value)
+    assert not (tmp_path / "runs").exists()
