@@ -85,6 +85,15 @@ def parse_ints(text: str, flag: str, example: str = "1,2,3") -> list[int]:
     except ValueError:
         raise UsageError(f"{flag} must be integers like {example}, got {text!r}") from None
 
+def read_file(path: Path, load=lambda p: json.loads(p.read_text()),
+              fix="restore it, or move the run folder away to start the run over", **options):
+    """load(path, **options), or the one-line UsageError: the file, its folder, what is wrong, and what to do."""
+    try:
+        return load(path, **options)
+    except Exception as e:  # cut short, copied in part, edited by hand: whichever reader fails, the file is unusable
+        wrong = re.split(r"\.\s|\n", str(e))[0][:160] or type(e).__name__  # the reader's first sentence
+        raise UsageError(f"{path.name} in {path.parent} cannot be read ({wrong}); {fix}") from None
+
 def segment_mean(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-id means of values (N,) -> (means (K,) in sorted id order, inverse (N,)); means[inverse] is each value's."""
     uniq, inverse = torch.unique(ids.cpu(), return_inverse=True)
@@ -476,6 +485,8 @@ class ToyPolicy(Policy):
         return ((x.float() + 1) / 2).clamp(0, 1)  # (N, 3, RES, RES) in [0, 1]
 
 TOY_BASE = Path(__file__).resolve().parent / "assets" / "toy_base"  # the shipped base: notebooks/toy_base.py's output
+TOY_PARTS = ("unet/config.json", "unet/diffusion_pytorch_model.safetensors", "text_encoder/config.json",
+             "text_encoder/model.safetensors", "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json")
 
 def toy_folder(args: Args) -> Path:
     return Path(args.toy_base) if args.toy_base else TOY_BASE
@@ -485,11 +496,13 @@ def load_toy(args: Args, device) -> ToyPolicy:
     from diffusers import UNet2DConditionModel
     from transformers import CLIPTextModel, PreTrainedTokenizerFast
     args = resolved(args)  # the toy's guidance
-    if not (folder := toy_folder(args)).is_dir():
-        raise UsageError(f"--toy-base {folder}: no such folder (notebooks/toy_base.py writes one)")
-    return ToyPolicy(UNet2DConditionModel.from_pretrained(folder / "unet").to(device).eval(),
-                     CLIPTextModel.from_pretrained(folder / "text_encoder").to(device).eval(),
-                     PreTrainedTokenizerFast.from_pretrained(folder / "tokenizer"), args.guidance)
+    folder = toy_folder(args)
+    if missing := [part for part in ("", *TOY_PARTS) if not (folder / part).exists()]:  # "": the folder itself
+        raise UsageError(f"--toy-base {folder}: no {missing[0] or 'such folder'} (notebooks/toy_base.py writes one)")
+    fix = "restore it, or write the whole folder with notebooks/toy_base.py"
+    return ToyPolicy(read_file(folder / "unet", UNet2DConditionModel.from_pretrained, fix).to(device).eval(),
+                     read_file(folder / "text_encoder", CLIPTextModel.from_pretrained, fix).to(device).eval(),
+                     read_file(folder / "tokenizer", PreTrainedTokenizerFast.from_pretrained, fix), args.guidance)
 
 class PipelinePolicy(Policy):
     """SD3 / SD3.5 (real CFG) or FLUX.1 (guidance-distilled: one pass a step) on the VAE's latents (FLUX: packed)."""
@@ -590,7 +603,7 @@ def load_policy(args: Args, device) -> Policy:
         with warnings.catch_warnings():  # newer diffusers call it `dtype`; `torch_dtype` works in every version
             warnings.simplefilter("ignore", FutureWarning)
             pipe = diffusers.DiffusionPipeline.from_pretrained(args.model, torch_dtype=torch.bfloat16 if bf16 else None)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # missing or damaged files (a cut-short .safetensors raises a SafetensorError)
         raise UsageError(f"--model {args.model!r}: cannot load it ({str(e).splitlines()[0][:160]})") from None
     if not isinstance(pipe, (diffusers.StableDiffusion3Pipeline, diffusers.FluxPipeline)):
         raise UsageError(f"--model {args.model!r} is a {type(pipe).__name__}; expected an SD3 or FLUX pipeline")
@@ -622,12 +635,13 @@ def clip_reward(name: str, model: str, device):
     model, processor = (model, model) if model else CLIP_DEFAULTS[name]
     try:
         model_type = AutoConfig.from_pretrained(model).model_type
-    except (OSError, ValueError) as e:
+        if model_type == "clip":
+            clip = CLIPModel.from_pretrained(model).to(device).eval().requires_grad_(False)
+            ip, tok = AutoImageProcessor.from_pretrained(processor), AutoTokenizer.from_pretrained(processor)
+    except Exception as e:  # missing or damaged files (a cut-short .safetensors raises a SafetensorError)
         raise UsageError(f"--reward-model {model!r}: cannot load it ({str(e).splitlines()[0][:160]})") from None
     if model_type != "clip":
         raise UsageError(f"--reward-model {model!r} is a {model_type!r} model; {name} needs a CLIP model")
-    clip = CLIPModel.from_pretrained(model).to(device).eval().requires_grad_(False)
-    ip, tok = AutoImageProcessor.from_pretrained(processor), AutoTokenizer.from_pretrained(processor)
     size = clip.config.vision_config.image_size  # the processor's crop size
     mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in (ip.image_mean, ip.image_std))
 
@@ -1255,9 +1269,13 @@ Setup = collections.namedtuple("Setup", "policy reward_fn params opt grid chunk_
 
 def setup(args: Args, dist: Dist) -> Setup:
     """Model, reward, LoRA adapter (in DDP under torchrun), optimiser and the training grid."""
+    from safetensors import safe_open
     from transformers import set_seed
     args = resolved(args)  # the method's lr and iterations, the model's LoRA
     set_seed(args.seed)
+    local = [Path(m) for m in (args.model, args.reward_model) if m not in ("", "toy") and Path(m).is_dir()]
+    for file in (f for folder in local for f in folder.rglob("*.safetensors")):  # headers only: a damaged part named
+        read_file(file, safe_open, "restore it, or copy the model folder again", framework="pt")
     # every rank loads the model; huggingface_hub's file locks let one download a hub model while the others wait
     policy, reward_fn = load_policy(args, dist.device), build_reward(args, dist.device)
     grid = policy.time_grid(args.steps)
@@ -1355,7 +1373,7 @@ class RunFolder:
         again; one of other flags resumes with them from its checkpoint, if the checkpoint allows them."""
         if not (self.path / "record.json").exists():
             return False
-        record = json.loads((self.path / "record.json").read_text())
+        record = read_file(self.path / "record.json")
         if "error" in record:
             print(f"{self.path}: stopped at iteration {record['iteration']} ({record['error']}); trying again")
             return False
@@ -1363,7 +1381,7 @@ class RunFolder:
         if any(mine[k] != v for k, v in saved.items() if k not in NOT_SHAPING):
             return False
         print(f"{self.path}: finished already (record.json); nothing to do")
-        self.history = [json.loads(line) for line in (self.path / "metrics.jsonl").read_text().splitlines()]
+        self.history = read_file(self.path / "metrics.jsonl", lambda p: [*map(json.loads, p.read_text().splitlines())])
         return True
 
     def open(self, parts: Setup, ema) -> tuple[Meter, int]:
@@ -1385,12 +1403,12 @@ class RunFolder:
         self.state = {"iteration": 0, "meter": {}, "wall": 0.0}
         if resume:  # onto the CPU, as weights only; the moving average then joins the model
             from peft.utils import set_peft_model_state_dict
-            saved = dataclasses.asdict(resolved(args_of(json.loads((self.path / "args.json").read_text()))))
+            saved = dataclasses.asdict(resolved(args_of(read_file(self.path / "args.json"))))
             mine = dataclasses.asdict(self.args)
             for flag in [f for f in ("lr", "weight_decay", "ema_decay") if mine[f] != saved[f]]:
                 raise UsageError(f"a run resumes as it began: --{flag.replace('_', '-')} is {saved[flag]!r} in its "
                                  f"folder, not {mine[flag]!r}; start a new run (another --run folder) instead")
-            self.state = torch.load(self.path / "checkpoint.pt", map_location="cpu", weights_only=True)
+            self.state = read_file(self.path / "checkpoint.pt", torch.load, map_location="cpu", weights_only=True)
             set_peft_model_state_dict(parts.policy.net, self.state["lora"])
             parts.opt.load_state_dict(self.state["optimizer"])
             ema.load_state_dict(self.state["ema"])
@@ -1540,7 +1558,10 @@ def base_evaluation(args: Args, parts: Setup, code: str) -> tuple:
     cache = Path(args.cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flow_grpo_credit")
     path = cache / "base_eval" / f"{digest}.pt"
     if args.base_cache and path.exists():
-        return torch.load(path, weights_only=True)
+        try:
+            return read_file(path, torch.load, "evaluating the base again to rewrite it", weights_only=True)
+        except UsageError as e:  # a cache is a cache: an unreadable entry is a miss
+            print(f"warning: {e}", file=sys.stderr)
     made = evaluate(parts.policy, args, parts.reward_fn)
     if args.base_cache:  # written whole, then renamed: a reader never sees half a file
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -1706,7 +1727,7 @@ def parse_args(argv=None) -> Args:
                             **by_type.get(f.type, dict(type=str)))
     given = vars(parser.parse_args(argv))
     saved_file = Path(given.get("run", "")) / "args.json"
-    saved = json.loads(saved_file.read_text()) if given.get("run") and saved_file.exists() else {}
+    saved = read_file(saved_file) if given.get("run") and saved_file.exists() else {}
     return dataclasses.replace(args_of(saved), **given)
 
 def main(argv=None) -> int:
