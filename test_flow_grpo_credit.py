@@ -2671,7 +2671,7 @@ def test_notebooks_are_committed_executed_and_small():
 
 
 def test_notebook_02_runs_each_method_of_its_batch_with_the_method_s_own_defaults():
-    """The side-by-side batch resolves each method's flags (METHOD_DEFAULTS): its committed table shows G2RPO
+    """The side-by-side batch resolves each method's flags (METHODS): its committed table shows G2RPO
     sampling at its noise level 0.7 and the others at 1.0, as a run of each method would."""
     import nbformat
 
@@ -2679,8 +2679,8 @@ def test_notebook_02_runs_each_method_of_its_batch_with_the_method_s_own_default
     printed = ["".join(o.get("text", "") for o in c.outputs) for c in cells if c.cell_type == "code"]
     table = next(text for text in printed if "noise level a" in text)
     rows = [line.split() for line in table.splitlines()]
-    levels = {row[0]: float(row[1]) for row in rows if row and row[0] in fgc.CREDIT_ASSIGNMENT}
-    assert levels == {m: fgc.validate(fgc.Args(method=m)).sde_level for m in fgc.CREDIT_ASSIGNMENT}
+    levels = {row[0]: float(row[1]) for row in rows if row and row[0] in fgc.METHODS}
+    assert levels == {m: fgc.validate(fgc.Args(method=m)).noise_level for m in fgc.METHODS}
     assert levels["g2rpo"] == 0.7
 
 
@@ -2764,7 +2764,7 @@ def pref_gold(method, beta, seed, i):
     if method == "flow_grpo":
         shapes = {0: 0.4 * i / 32 * math.exp(1 - i / 32), 0.004: 0.3 * (1 - math.exp(-i / 32)), 0.04: -0.1 * i / 128}
         return shapes[beta] + 0.01 * seed
-    return PREF_SLOPE[method] * i / fgc.METHOD_DEFAULTS[method]["iterations"] + 0.02 * seed
+    return PREF_SLOPE[method] * i / fgc.METHODS[method].iterations + 0.02 * seed
 
 
 def synthetic_preference(folder: Path) -> Path:
@@ -2785,7 +2785,7 @@ def synthetic_preference(folder: Path) -> Path:
     (folder / "base.json").write_text(json.dumps(evaluation(0, 0.0, list(range(12))) | {"eval_extra": 0.3}))
     runs = [("flow_grpo", 0, s, 128) for s in range(3)]
     runs += [("flow_grpo", b, s, 128) for b in (0.004, 0.04) for s in range(2)]
-    runs += [(m, 0, s, fgc.METHOD_DEFAULTS[m]["iterations"]) for m in PREF_SLOPE for s in range(3)]
+    runs += [(m, 0, s, fgc.METHODS[m].iterations) for m in PREF_SLOPE for s in range(3)]
     for method, beta, seed, n in runs:
         evaluations = [evaluation(i, pref_gold(method, beta, seed, i), list(range(12)) if i == n else
                                   list(range(0, 12, 2))) for i in range(8, n + 1, 8)]
@@ -2823,8 +2823,8 @@ def test_notebook_04_finds_the_kl_that_keeps_the_gold_and_the_methods_gains_as_w
         assert row in text, row
     for method, slope in PREF_SLOPE.items():
         gold = slope + 0.02  # the mean of 0, 0.02 and 0.04
-        assert f"| {method} | 3 | {0.001 * fgc.METHOD_DEFAULTS[method]['iterations']:+.3f} | {gold:+.3f} [" in text
-        end = fgc.METHOD_DEFAULTS[method]["iterations"]
+        assert f"| {method} | 3 | {0.001 * fgc.METHODS[method].iterations:+.3f} | {gold:+.3f} [" in text
+        end = fgc.METHODS[method].iterations
         difference = np.mean([pref_gold(method, 0, s, end) - pref_gold("flow_grpo", 0, s, end) for s in range(3)])
         assert f"| {method} | 3 | {difference:+.3f} | 0.010 |" in text, method
 
