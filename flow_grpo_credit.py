@@ -1103,7 +1103,7 @@ class Method:
     the flag must be given); `noise_level`: the flow SDE's a (None: the SDE's own, SDE_LEVELS)."""
 
     assign: object  # (Context) -> (Transitions to train on, rewards (N,) for logging)
-    iterations: int | None = None  # 5 to 9 toy minutes on 2 CPU cores
+    iterations: int | None = None  # GRPO iterations of a default run
     lr: float | None = None
     noise_level: float | None = None
 
