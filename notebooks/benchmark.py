@@ -38,7 +38,7 @@ def benchmark(args: fgc.Args, repeat: int = 3) -> dict:
         spent.clear()
         ctx = timed("encode_s", fgc.iteration_context, args, trainer, it, fgc.Meter())
         ctx.reward_fn = lambda images, metas, score=ctx.reward_fn: timed("reward_s", score, images, metas)
-        transitions, _ = timed("sample_s", fgc.METHODS[args.method], ctx)
+        transitions, _ = timed("sample_s", fgc.METHODS[args.method].assign, ctx)
         stats = timed("train_s", fgc.update, trainer.policy, trainer.opt, ctx.cond, transitions, args, ctx.gen,
                       dist, ctx.meter)  # the meter counts the training's passes too
         spent["sample_s"] -= spent["reward_s"]  # the reward ran inside the sampling phase
