@@ -91,7 +91,7 @@ def read_file(path: Path, load=lambda p: json.loads(p.read_text()),
     try:
         return load(path, **options)
     except Exception as e:  # cut short, copied in part, edited by hand: whichever reader fails, the file is unusable
-        wrong = re.split(r"\.\s|\n", str(e))[0][:160] or type(e).__name__  # the reader's first sentence
+        wrong = re.split(r"\.\s|\n", str(e))[0] or type(e).__name__  # the reader's first sentence
         raise UsageError(f"{path.name} in {path.parent} cannot be read ({wrong}); {fix}") from None
 
 def segment_mean(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -596,6 +596,7 @@ def load_policy(args: Args, device) -> Policy:
     import transformers
     diffusers.utils.logging.disable_progress_bar()  # loading bars of tiny files are noise on stderr
     transformers.utils.logging.disable_progress_bar()
+    args = resolved(args)  # the model's micro-batch and guidance
     if args.model == "toy":
         return load_toy(args, device)
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
@@ -604,7 +605,7 @@ def load_policy(args: Args, device) -> Policy:
             warnings.simplefilter("ignore", FutureWarning)
             pipe = diffusers.DiffusionPipeline.from_pretrained(args.model, torch_dtype=torch.bfloat16 if bf16 else None)
     except Exception as e:  # missing or damaged files (a cut-short .safetensors raises a SafetensorError)
-        raise UsageError(f"--model {args.model!r}: cannot load it ({str(e).splitlines()[0][:160]})") from None
+        raise UsageError(f"--model {args.model!r}: cannot load it ({str(e).splitlines()[0]})") from None
     if not isinstance(pipe, (diffusers.StableDiffusion3Pipeline, diffusers.FluxPipeline)):
         raise UsageError(f"--model {args.model!r} is a {type(pipe).__name__}; expected an SD3 or FLUX pipeline")
     return PipelinePolicy(pipe, args, device)
@@ -639,7 +640,7 @@ def clip_reward(name: str, model: str, device):
             clip = CLIPModel.from_pretrained(model).to(device).eval().requires_grad_(False)
             ip, tok = AutoImageProcessor.from_pretrained(processor), AutoTokenizer.from_pretrained(processor)
     except Exception as e:  # missing or damaged files (a cut-short .safetensors raises a SafetensorError)
-        raise UsageError(f"--reward-model {model!r}: cannot load it ({str(e).splitlines()[0][:160]})") from None
+        raise UsageError(f"--reward-model {model!r}: cannot load it ({str(e).splitlines()[0]})") from None
     if model_type != "clip":
         raise UsageError(f"--reward-model {model!r} is a {model_type!r} model; {name} needs a CLIP model")
     size = clip.config.vision_config.image_size  # the processor's crop size

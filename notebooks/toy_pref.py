@@ -36,7 +36,7 @@ def sample_pairs(policy, metas: list[dict], gen: torch.Generator, steps: int, ba
     policy.time_grid) -> (2N, 3, RES, RES) in [0, 1]; rows 2i and 2i + 1 are prompt i's pair."""
     noise = fgc.initial_noise(policy, 2 * len(metas), gen)  # (2N, 3, RES, RES)
     cond = policy.encode([m["prompt"] for m in metas for _ in range(2)], device="cpu")  # (2N, L, 64)
-    grid, args, images = policy.time_grid(steps), fgc.Args(), []
+    grid, args, images = policy.time_grid(steps), fgc.resolved(fgc.Args()), []
     for idx in torch.arange(len(noise)).split(batch):
         ode = fgc.rollout(policy, {k: e[idx] for k, e in cond.items()}, noise[idx], grid, [False] * steps, args,
                           fgc.Meter())
