@@ -1,7 +1,8 @@
 """flow_grpo_credit: credit assignment for GRPO on flow-matching text-to-image models, in one file.
 
-Five ways to credit the denoising steps, a short function each (section 7) beside one shared rollout (6) and GRPO
-loss (8), to be read next to the papers.
+Five ways to credit the denoising steps, a short function each beside one shared rollout and GRPO loss, to be read
+next to the papers. Sections: 0 helpers and Dist (torchrun), 1 Args, 2 toy world, 3 models, 4 rewards, 5 SDE step,
+6 rollout, 7 credit assignment, 8 GRPO loss and update, 9 train loop, 10 run folder, 11 evaluation and plots, 12 CLI.
 
     flow_grpo  Flow-GRPO           arXiv 2505.05470  SDE at every step, one advantage for all steps
     stepwise   Stepwise-Flow-GRPO  arXiv 2603.28718  Tweedie reward of every state, credit = reward gain
@@ -9,13 +10,42 @@ loss (8), to be read next to the papers.
     g2rpo      G2RPO               arXiv 2510.01982  one SDE step from a shared anchor, multi-granularity
     chunk      Chunk-GRPO          arXiv 2510.21583  one importance ratio per chunk of steps
 
-Reading path: one Flow-GRPO iteration, each function in the order the code calls it (section in brackets)
-    `train` (9) -> `iteration_context` (9) -> `flow_grpo` (7) -> `initial_noise` (6) -> `Context.sample` (6) ->
-    `rollout` (6), which calls `Policy.velocity` (3) and `sde_step` (5) at each step -> `Context.reward` (6) ->
-    `Context.advantages` (6) -> `group_normalise` (6) -> `transitions_from` (6) -> `update` (8) ->
-    `accumulate_gradients` (8) -> `grpo_loss` (8) -> `transition_log_probs` (8), `sde_step` at the stored x[k+1] ->
-    `chunk_log_ratios` (8) -> AdamW's step -> the moving average's -> `RunFolder.log` (10) ->
-    `RunFolder.evaluate_if_due` (10).
+Reading path: the calls of one Flow-GRPO iteration of `train` (9) in the order made, each at its first call (section
+in brackets at first mention). A line is called by the last name one indent up; "a -> b": a calls b; "a, b": a, then
+b, from the same caller; "a: text" a note. Left out, one-liners: _as_column, stable_seed, generator, segment_mean,
+repeat_each, Dist.reduce, Policy.device, Policy.passes, ToyPolicy.forward, ToyPolicy.latent_shape, Transitions.__len__.
+    iteration_context (9)
+        train_prompts (2) -> make_prompt (2), ToyPolicy.encode (3)
+        Context.__post_init__ (6) -> trainable_steps (5) -> step_stds (5) -> sde_step (5)
+    flow_grpo (7): METHODS["flow_grpo"].assign
+        initial_noise (6), Context.sample (6)
+            Context.cond_of (6), rollout (6)
+                Policy.velocity (3), sde_step: at each step
+        Context.reward (6)
+            ToyPolicy.decode (3), toy_strict_reward (4) -> score_batch (2) -> score_image (2) -> detect (2)
+        Context.advantages (6)
+            Dist.gather (0), group_normalise (6)
+        transitions_from (6)
+    all_finite (9), update (8)
+        Transitions.__getitem__ (6): drops the advantage-0 transitions, units (8) -> first_of_each (8)
+        accumulate_gradients (8): one a minibatch
+            units -> first_of_each, Transitions.__getitem__, grpo_loss (8): one a piece
+                transition_log_probs (8)
+                    first_of_each, Policy.velocity: the one pass with a gradient, sde_step: at the stored x[k+1]
+                chunk_log_ratios (8)
+            loss.backward
+        clip_grad_norm_, opt.step: AdamW's
+    ema.step: the moving average's, RunFolder.log (10)
+        Dist.gather, RunFolder.append_metrics (10)
+    RunFolder.evaluate_if_due (10)
+        parse_ints (0), curve_pairs (11), ema_applied (10), evaluate (11)
+            resolved (1), prompt_sets (9) -> eval_prompts (2) -> make_prompt, initial_noise
+            ToyPolicy.time_grid (3) -> shifted_grid (5), ToyPolicy.encode, rollout
+                Policy.velocity, ode_step (5)
+            ToyPolicy.decode, toy_strict_reward -> score_batch -> score_image -> detect
+            score_batch -> score_image -> detect, colour_cleanliness (2), toy_gold (2), by_category (11)
+        paired_gains (11) -> by_category, RunFolder.append_metrics, save_grid (11)
+    RunFolder.checkpoint (10)
 
 Paper symbols and their names here. x_t = (1 - t) x0 + t x1, x0 the image, x1 the noise: t = 1 is noise, t = 0 data; the
 model predicts v = x1 - x0. The states of a trajectory are x[k] (`states[:, k]`), k = 0..S along the time grid
@@ -30,8 +60,8 @@ model predicts v = x1 - x0. The states of a trajectory are x[k] (`states[:, k]`)
     rho               `ratio` in grpo_loss; `r` is always a reward
     B, G, S           `b` prompts, `g` images per group (or branches), `n_steps` steps; N transitions, K chunks
 A step's log-prob is a MEAN over the D = C*H*W dimensions, as in every official code: rho is the D-th root of the
-likelihood ratio (grpo_loss). Ids, masks and counters live on the CPU, what meets the model on `policy.device`;
-they cross only in `Dist`, `Transitions`, `build_reward`. Noise is drawn on CPU generators: CPU and GPU runs match.
+likelihood ratio (grpo_loss). Ids, masks and counters live on the CPU, what meets the model on `policy.device`.
+Noise is drawn on CPU generators: a seed draws the same noise on every device (the arithmetic then differs).
 
 Deviations from the papers and official codes: the README's numbered list, cited as "Deviation n" where the code
 makes them.
