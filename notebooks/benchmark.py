@@ -1,9 +1,9 @@
 """Speed and memory of a method's iterations: python notebooks/benchmark.py --repeat 3 [flags of the script].
 
-Builds the run as training does, then times `--repeat` iterations after an untimed warm-up one: seconds per phase
-(encoding, sampling, reward, update), images per second, peak memory, and each phase's FLOPs as
-torch.utils.flop_counter counts them in the timed iterations, the achieved TFLOP/s and the MFU against the device's
-dense bf16 peak. It writes no files.
+Builds the run as training does, then times `--repeat` iterations: seconds per phase (encoding, sampling, reward,
+update), images per second, peak memory, and each phase's FLOPs, which torch.utils.flop_counter counts in an untimed
+run of the same iteration just before (the first also warms kernels, allocator and caches), the achieved TFLOP/s and
+the MFU against the device's dense bf16 peak. It writes no files.
 
 --architecture sd3.5-medium or flux.1-dev builds that pipeline and PickScore's CLIP-H in memory from the configs in
 assets/architectures/, with random weights (speed and memory do not depend on their values), and runs the README's
@@ -199,11 +199,13 @@ def benchmark(args: fgc.Args, repeat: int = 3, pipe=None, reward_fn=None, peak: 
         return dict(spent, **{k.replace("_s", "_tflop"): v / 1e12 for k, v in flops.items()}, passes=ctx.meter.nfe,
                     images=ctx.meter.images_scored, transitions=stats.get("trained", 0))
 
-    iteration(0)  # warm-up: kernels, allocator and caches
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(dist.device)
-    with counter:
-        runs = [iteration(it) for it in tqdm(range(1, repeat + 1), desc="benchmark")]
+    runs = []
+    for it in tqdm(range(1, repeat + 1), desc="benchmark"):
+        with counter:  # untimed: FlopCounterMode's Python hooks slow a run several-fold; the first is the warm-up
+            counted = iteration(it)
+        if cuda and it == 1:
+            torch.cuda.reset_peak_memory_stats(dist.device)
+        runs.append({**iteration(it), **{k: v for k, v in counted.items() if k.endswith("_tflop")}})
     mean = {k: float(np.mean([r.get(k, 0) for r in runs])) for k in runs[0]}
     phases = ("encode", "sample", "reward", "train")
     total, total_flop = sum(mean[f"{p}_s"] for p in phases), sum(mean[f"{p}_tflop"] for p in phases)
@@ -223,7 +225,8 @@ def benchmark(args: fgc.Args, repeat: int = 3, pipe=None, reward_fn=None, peak: 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="Every other flag is the script's.")
-    parser.add_argument("--repeat", type=int, default=3, help="timed iterations after the warm-up (default: 3)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed iterations, each after an untimed "
+                        "one that counts its FLOPs (default: 3)")
     parser.add_argument("--architecture", default="", help="sd3.5-medium or flux.1-dev at random weights, with "
                         "PickScore, from assets/architectures/ (default: --model and --reward as training loads them)")
     parser.add_argument("--layers", type=int, default=0, help="with --architecture: at most N layers in every stack "
