@@ -205,6 +205,7 @@ def benchmark(args: fgc.Args, repeat: int = 3, pipe=None, reward_fn=None, peak: 
             counted = iteration(it)
         if cuda and it == 1:
             torch.cuda.reset_peak_memory_stats(dist.device)
+        getattr(trainer.policy, "cache", {}).clear()  # the timed run encodes its prompts, as training's new ones
         runs.append({**iteration(it), **{k: v for k, v in counted.items() if k.endswith("_tflop")}})
     mean = {k: float(np.mean([r.get(k, 0) for r in runs])) for k in runs[0]}
     phases = ("encode", "sample", "reward", "train")
