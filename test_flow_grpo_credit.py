@@ -3008,3 +3008,101 @@ def test_a_local_model_folder_missing_or_damaging_a_part_is_a_one_line_error_nam
         fgc.train(real_args(tiny_real, tmp_path / "runs", **{flag: str(folder)}))
     assert "\n" not in str(err.value) and str(folder) in str(err.value) and name.split("/")[0] in str(err.value)
     assert not (tmp_path / "runs").exists()
+
+
+# ----------------------------------------------------------------------------------------------------
+# benchmark.py --architecture: SD3.5-Medium and FLUX.1-dev at random weights from assets/architectures/
+
+
+def printed_results(text: str) -> dict:
+    """The benchmark's `key value` lines -> {key: float or str}."""
+    pairs = (line.split(None, 1) for line in text.splitlines() if re.match(r"^[a-z_0-9]+ {2,}\S", line))
+    return {k: float(v) if re.fullmatch(r"[-+.e0-9]+", v) else v.strip() for k, v in pairs}
+
+
+def test_benchmark_architecture_builds_and_runs_both_pipelines_at_one_layer_on_the_cpu(capsys):
+    """At --layers 1 and 32 px both architectures build, run a warm-up and a timed iteration of the recipe's
+    code path, and print each phase's seconds and FLOPs, the TFLOP/s, the MFU (unknown on a CPU) and peak memory;
+    SD3's real CFG makes twice FLUX's passes for the same images."""
+    quick = ["--layers", "1", "--resolution", "32", "--repeat", "1", "--device", "cpu", "--method", "flow_grpo",
+             "--group-size", "2", "--prompts-per-iter", "1", "--steps", "3", "--text-tokens", "8",
+             "--inner-updates", "1"]
+    found = {}
+    for name, extra in (("sd3.5-medium", []), ("flux.1-dev", ["--low-memory"])):
+        assert benchmark_module().main(["--architecture", name, *quick, *extra]) == 0
+        found[name] = printed_results(capsys.readouterr().out)
+    for name, result in found.items():
+        phases = ("encode", "sample", "reward", "train")
+        assert all(result[f"{p}_s"] > 0 and result[f"{p}_tflop"] > 0 for p in phases), (name, result)
+        assert result["total_tflop"] == pytest.approx(sum(result[f"{p}_tflop"] for p in phases), rel=1e-3)
+        assert result["tflop_per_s"] == pytest.approx(result["total_tflop"] / result["total_s"], rel=1e-3)
+        assert result["images"] == 2 and result["peak_rss_gb"] > 0 and "peak-tflops" in result["mfu"]
+    assert found["sd3.5-medium"]["passes"] == 2 * found["flux.1-dev"]["passes"], "SD3: a CFG pass for every pass"
+    assert found["flux.1-dev"]["fits_24gb"] == "measured on CUDA only" and "fits_24gb" not in found["sd3.5-medium"]
+
+
+def linear_flops(m: int, k: int, n: int) -> int:
+    return 2 * m * k * n  # (m, k) @ (k, n): a multiply and an add each
+
+
+@pytest.mark.parametrize("name", ["sd3.5-medium", "flux.1-dev"])
+def test_benchmark_counts_a_one_layer_transformer_forward_pass_as_its_shapes_say(name):
+    """FlopCounterMode's count of one forward pass of the one-layer transformer equals 2 m k n summed over every
+    linear layer (and the patch embedding) and every attention matmul, QK^T and AV: 2 x 2 B T^2 D over T tokens."""
+    bench = benchmark_module()
+    part = bench.architecture(name)["components"]["transformer"]
+    c, net = part["config"], bench.build_module(part, layers=1, device="cpu")
+    B, N, L = 2, 4, 8  # images, image tokens (2 x 2 patches of a 32 px image), text tokens
+    D, C, J, P = c["num_attention_heads"] * c["attention_head_dim"], c["in_channels"], c["joint_attention_dim"], \
+        c["pooled_projection_dim"]
+    lin, attention = linear_flops, lambda t: 2 * 2 * B * t * t * D
+    text, T = torch.randn(B, L, J), N + L
+    if name == "sd3.5-medium":  # one layer: the last block, context pre-only, and in dual_attention_layers
+        p = c["patch_size"]
+        inputs = dict(hidden_states=torch.randn(B, C, 2 * p, 2 * p), timestep=torch.full((B,), 500.0))
+        expected = (lin(B * N, C * p * p, D) + lin(B, 256, D) + lin(B, D, D) + lin(B, P, D) + lin(B, D, D)
+                    + lin(B * L, J, c["caption_projection_dim"])  # patches, time and pooled text, context embedder
+                    + lin(B, D, 9 * D) + lin(B, D, 2 * D)  # the image's AdaLN-Zero-X, the context's AdaLN
+                    + 3 * lin(B * N, D, D) + 3 * lin(B * L, D, D) + attention(T) + lin(B * N, D, D)  # joint
+                    + 4 * lin(B * N, D, D) + attention(N)  # the dual attention layer's image-only attention
+                    + lin(B * N, D, 4 * D) + lin(B * N, 4 * D, D)  # the image's feed-forward (the context has none)
+                    + lin(B, D, 2 * D) + lin(B * N, D, p * p * c["out_channels"]))  # output norm and projection
+    else:  # one double-stream and one single-stream block
+        inputs = dict(hidden_states=torch.randn(B, N, C), timestep=torch.full((B,), 0.5), guidance=torch.ones(B),
+                      img_ids=torch.zeros(N, 3), txt_ids=torch.zeros(L, 3))
+        expected = (lin(B * N, C, D) + 2 * (lin(B, 256, D) + lin(B, D, D)) + lin(B, P, D) + lin(B, D, D)
+                    + lin(B * L, J, D)  # patches, time, guidance and pooled text, context embedder
+                    + 2 * lin(B, D, 6 * D) + 4 * lin(B * T, D, D) + attention(T)  # double: q k v out of each stream
+                    + lin(B * T, D, 4 * D) + lin(B * T, 4 * D, D)  # each stream's feed-forward on its tokens
+                    + lin(B, D, 3 * D) + 3 * lin(B * T, D, D) + lin(B * T, D, 4 * D) + attention(T)  # single block
+                    + lin(B * T, 5 * D, D) + lin(B, D, 2 * D) + lin(B * N, D, C))  # its out; output norm, projection
+    counter = bench.flop_counter()
+    with torch.no_grad(), counter:
+        net(**inputs, encoder_hidden_states=text, pooled_projections=torch.randn(B, P))
+    assert counter.get_total_flops() == expected
+
+
+PUBLISHED = [  # (architecture, component, parameters published, to the last digit given)
+    ("sd3.5-medium", "transformer", 2.5e9, 0.05e9),  # model card: MMDiT-X, 2.5 B (pos_embed is in the checkpoint)
+    ("flux.1-dev", "transformer", 12e9, 0.5e9),  # model card: a 12 billion parameter rectified flow transformer
+    ("sd3.5-medium", "text_encoder", 123.65e6, 0.005e6),  # OpenCLIP's docs/model_profile.csv, ViT-L-14 text
+    ("sd3.5-medium", "text_encoder_2", 694.66e6, 0.005e6),  # the same table, ViT-bigG-14 text
+    ("sd3.5-medium", "text_encoder_3", 4.76e9, 0.005e9),  # T5 v1.1 XXL's encoder
+    ("pickscore", "model", 986.11e6, 0.005e6),  # the same table, ViT-H-14 (632.08 M image, 354.03 M text)
+]
+
+
+@pytest.mark.parametrize("name,component,published,within", PUBLISHED)
+def test_benchmark_architecture_configs_have_the_published_parameter_counts(name, component, published, within):
+    """Each config, built on the meta device (no memory), holds as many numbers in its state dict (what a checkpoint
+    stores) as published; at --layers 1 fewer."""
+    bench = benchmark_module()
+    part = bench.architecture(name)["components"][component]
+    def stored(module):  # the state dict's tensors, a tied one (T5's embedding) once
+        tensors = {id(t): t for t in module.state_dict(keep_vars=True).values()}.values()
+        assert all(t.is_meta for t in tensors)
+        return sum(t.numel() for t in tensors)
+
+    count = stored(bench.build_module(part))
+    assert abs(count - published) <= within, f"{name} {component}: {count:,} parameters"
+    assert stored(bench.build_module(part, layers=1)) < count
