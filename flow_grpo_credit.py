@@ -518,15 +518,12 @@ TOY_BASE = Path(__file__).resolve().parent / "assets" / "toy_base"  # the shippe
 TOY_PARTS = ("unet/config.json", "unet/diffusion_pytorch_model.safetensors", "text_encoder/config.json",
              "text_encoder/model.safetensors", "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json")
 
-def toy_folder(args: Args) -> Path:
-    return Path(args.toy_base) if args.toy_base else TOY_BASE
-
 def load_toy(args: Args, device) -> ToyPolicy:
     """The toy model: the shipped base, or --toy-base FOLDER (unet, text_encoder, tokenizer, saved by diffusers)."""
     from diffusers import UNet2DConditionModel
     from transformers import CLIPTextModel, PreTrainedTokenizerFast
     args = resolved(args)  # the toy's guidance
-    folder = toy_folder(args)
+    folder = Path(args.toy_base or TOY_BASE)
     if missing := [part for part in ("", *TOY_PARTS) if not (folder / part).exists()]:  # "": the folder itself
         raise UsageError(f"--toy-base {folder}: no {missing[0] or 'such folder'} (notebooks/toy_base.py writes one)")
     fix = "restore it, or write the whole folder with notebooks/toy_base.py"
@@ -733,8 +730,6 @@ def sde_step(x, v, t, t_next, *, kind="flow", noise_level=None, noise=None, prev
          arXiv 2509.05952), std = t_next sin(eta pi / 2): mean = (1 - t_next) x0_hat + sqrt(t_next^2 - std^2) x1_hat.
     log_prob is the Gaussian log-density MEAN over C*H*W (Deviation 10), 0 where std = 0 (a step never trained);
     noise level 0 gives the Euler step, None the kind's default; `prev_sample` re-scores a stored transition."""
-    if kind not in SDE_LEVELS:
-        raise UsageError(f"unknown SDE kind {kind!r}; choose one of {', '.join(SDE_LEVELS)}")
     x, v = x.float(), v.float()  # fp32: the mean overflows in bf16
     noise_level = SDE_LEVELS[kind] if noise_level is None else noise_level
     t_, tn = _as_column(t, x), _as_column(t_next, x)
@@ -1576,7 +1571,7 @@ class RunFolder:
 def base_evaluation(args: Args, parts: Setup, code: str) -> tuple:
     """The base model's evaluation, cached on this machine under a key of all that determines it (weights, evaluation
     flags, the script's `code` id as the run started, torch, CPU, threads): a campaign evaluates the base once."""
-    weights = toy_folder(args) if args.model == "toy" else Path(args.model)  # a hub id: no such folder, its name
+    weights = Path(args.model if args.model != "toy" else args.toy_base or TOY_BASE)  # a hub id: its name alone
     folders = [weights, *([TOY_PREF] if "toy-pref" in reward_spec(args) else [])]  # the proxy scores the base too
     files = sorted(p for folder in folders if folder.exists() for p in folder.rglob("*") if p.is_file())
     prompts = Path(args.prompts).read_text() if args.prompts else ""
