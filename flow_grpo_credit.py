@@ -623,9 +623,9 @@ def load_policy(args: Args, device) -> Policy:
     import transformers
     diffusers.utils.logging.disable_progress_bar()  # loading bars of tiny files are noise on stderr
     transformers.utils.logging.disable_progress_bar()
-    args = resolved(args)  # the model's micro-batch and guidance
     if args.model == "toy":
         return load_toy(args, device)
+    args = resolved(args)  # the model's micro-batch (load_toy fills in the toy's)
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     try:
         with warnings.catch_warnings():  # newer diffusers call it `dtype`; `torch_dtype` works in every version
@@ -730,6 +730,8 @@ def sde_step(x, v, t, t_next, *, kind="flow", noise_level=None, noise=None, prev
          arXiv 2509.05952), std = t_next sin(eta pi / 2): mean = (1 - t_next) x0_hat + sqrt(t_next^2 - std^2) x1_hat.
     log_prob is the Gaussian log-density MEAN over C*H*W (Deviation 10), 0 where std = 0 (a step never trained);
     noise level 0 gives the Euler step, None the kind's default; `prev_sample` re-scores a stored transition."""
+    if kind not in SDE_LEVELS:  # validate checks --sde; a caller of this function may pass any kind
+        raise UsageError(f"unknown SDE kind {kind!r}; choose one of {', '.join(SDE_LEVELS)}")
     x, v = x.float(), v.float()  # fp32: the mean overflows in bf16
     noise_level = SDE_LEVELS[kind] if noise_level is None else noise_level
     t_, tn = _as_column(t, x), _as_column(t_next, x)

@@ -1508,9 +1508,9 @@ def reading_path() -> tuple[list, set]:
     """The module docstring's reading path -> (its call tree as nested [name, children] lists, the left-out names)."""
     text = fgc.__doc__.split("Reading path:")[1].split("\n\n")[0]
     left_out = set(re.findall(r"\w+(?:\.\w+)*", text.split("Left out, one-liners:")[1].split("\n    ")[0]))
-    root, parents = [], {-1: []}
-    parents[-1] = root
-    for line in text.split("\n")[4:]:  # the tree's lines, 4 spaces an indent, under train
+    root = []
+    parents = {-1: root}  # depth -> the node whose children the next, deeper line holds
+    for line in (line for line in text.split("\n") if line.startswith("    ")):  # the tree: 4 spaces an indent
         depth = (len(line) - len(line.lstrip())) // 4 - 1
         for item in line.strip().split(", "):
             parent = parents[depth - 1]
