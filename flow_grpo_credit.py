@@ -121,8 +121,11 @@ def read_file(path: Path, load=lambda p: json.loads(p.read_text()),
     try:
         return load(path, **options)
     except Exception as e:  # cut short, copied in part, edited by hand: whichever reader fails, the file is unusable
-        wrong = re.split(r"\.\s|\n", str(e))[0] or type(e).__name__  # the reader's first sentence
-        raise UsageError(f"{path.name} in {path.parent} cannot be read ({wrong}); {fix}") from None
+        raise UsageError(f"{path.name} in {path.parent} cannot be read ({first_sentence(e)}); {fix}") from None
+
+def first_sentence(error: Exception) -> str:
+    """What a library's error says, in the first sentence of its message (its type's name if it has none)."""
+    return re.split(r"\.\s|\n", str(error))[0] or type(error).__name__
 
 def segment_mean(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-id means of values (N,) -> (means (K,) in sorted id order, inverse (N,)); means[inverse] is each value's."""
@@ -239,7 +242,6 @@ class Args:
     max_nonfinite: int = 3  # stop after this many iterations in a row with non-finite rewards, advantages or gradient
 
 
-
 CHOICES = {"sde": SDE_LEVELS, "dtype": ("auto", "fp32", "bf16"), "device": ("auto", "cpu", "cuda")}  # and METHODS
 RULES = {  # what a valid value of each flag is, and how to tell
     ">= 0 (0: the method's default)": (["iterations", "lr"], lambda v: v >= 0),
@@ -346,7 +348,9 @@ def make_prompt(tag: str, rng: random.Random, name_colours: bool = False) -> dic
     rel = rng.choice(RELATIONS)  # position: "a A right of a B": B is include[0], A must stand right of it
     return {"tag": tag, "include": [obj_b, {**obj_a, "position": [rel, 0]}], "prompt": f"a {word_a} {rel} a {word_b}"}
 
-def eval_prompts(per_tag: int, seed: int = 1234) -> list[dict]:
+PROMPT_SEEDS = {"held-out": 1234, "tuning": 4321, "chunk-profile": 99}  # the fixed prompt sets' random.Random seeds
+
+def eval_prompts(per_tag: int, seed: int = PROMPT_SEEDS["held-out"]) -> list[dict]:
     """The fixed evaluation set: `per_tag` prompts of each category."""
     rng = random.Random(seed)
     return [make_prompt(tag, rng) for tag in TAGS for _ in range(per_tag)]
@@ -632,7 +636,7 @@ def load_policy(args: Args, device) -> Policy:
             warnings.simplefilter("ignore", FutureWarning)
             pipe = diffusers.DiffusionPipeline.from_pretrained(args.model, torch_dtype=torch.bfloat16 if bf16 else None)
     except Exception as e:  # missing or damaged files (a cut-short .safetensors raises a SafetensorError)
-        raise UsageError(f"--model {args.model!r}: cannot load it ({str(e).splitlines()[0]})") from None
+        raise UsageError(f"--model {args.model!r}: cannot load it ({first_sentence(e)})") from None
     if not isinstance(pipe, (diffusers.StableDiffusion3Pipeline, diffusers.FluxPipeline)):
         raise UsageError(f"--model {args.model!r} is a {type(pipe).__name__}; expected an SD3 or FLUX pipeline")
     return PipelinePolicy(pipe, args, device)
@@ -667,7 +671,7 @@ def clip_reward(name: str, model: str, device):
             clip = CLIPModel.from_pretrained(model).to(device).eval().requires_grad_(False)
             ip, tok = AutoImageProcessor.from_pretrained(processor), AutoTokenizer.from_pretrained(processor)
     except Exception as e:  # missing or damaged files (a cut-short .safetensors raises a SafetensorError)
-        raise UsageError(f"--reward-model {model!r}: cannot load it ({str(e).splitlines()[0]})") from None
+        raise UsageError(f"--reward-model {model!r}: cannot load it ({first_sentence(e)})") from None
     if model_type != "clip":
         raise UsageError(f"--reward-model {model!r} is a {model_type!r} model; {name} needs a CLIP model")
     size = clip.config.vision_config.image_size  # the processor's crop size
@@ -730,8 +734,6 @@ def sde_step(x, v, t, t_next, *, kind="flow", noise_level=None, noise=None, prev
          arXiv 2509.05952), std = t_next sin(eta pi / 2): mean = (1 - t_next) x0_hat + sqrt(t_next^2 - std^2) x1_hat.
     log_prob is the Gaussian log-density MEAN over C*H*W (Deviation 10), 0 where std = 0 (a step never trained);
     noise level 0 gives the Euler step, None the kind's default; `prev_sample` re-scores a stored transition."""
-    if kind not in SDE_LEVELS:  # validate checks --sde; a caller of this function may pass any kind
-        raise UsageError(f"unknown SDE kind {kind!r}; choose one of {', '.join(SDE_LEVELS)}")
     x, v = x.float(), v.float()  # fp32: the mean overflows in bf16
     noise_level = SDE_LEVELS[kind] if noise_level is None else noise_level
     t_, tn = _as_column(t, x), _as_column(t_next, x)
@@ -741,7 +743,7 @@ def sde_step(x, v, t, t_next, *, kind="flow", noise_level=None, noise=None, prev
         mean = x - (t_ - tn) * (v + sigma_t**2 / (2 * t_) * x1_hat)
         std = sigma_t * torch.sqrt(t_ - tn)
     else:
-        std = noise_level * tn * torch.sqrt(1 - t_) if kind == "ddim" else tn * math.sin(noise_level * math.pi / 2)
+        std = {"ddim": noise_level * tn * torch.sqrt(1 - t_), "cps": tn * math.sin(noise_level * math.pi / 2)}[kind]
         # ddim: std 0 at t = 1, the first step deterministic and never trained (Deviation 5)
         mean = (1 - tn) * x0_hat + torch.sqrt((tn**2 - std**2).clamp_min(0)) * x1_hat
     if prev_sample is None:
@@ -1118,7 +1120,7 @@ def chunk_sizes_of(policy, args: Args, grid: torch.Tensor, dist: Dist = Dist()) 
     trainable = trainable_steps(grid, args)
     if sizes := parse_chunks(args.chunks, int(trainable.sum())):
         return sizes
-    prompts = [m["prompt"] for m in eval_prompts(2, seed=99)]
+    prompts = [m["prompt"] for m in eval_prompts(2, seed=PROMPT_SEEDS["chunk-profile"])]
     gen = generator("chunk-profile")
     x = initial_noise(policy, len(prompts), gen)  # (n, C, H, W)
     traj = rollout(policy, policy.encode(prompts), x, grid, [True] * (len(grid) - 1), args, Meter(), gen)
@@ -1286,7 +1288,7 @@ def add_lora(policy, args: Args) -> list[torch.nn.Parameter]:
 def prompt_sets(args: Args) -> tuple[list[dict] | None, list[dict]]:
     """(training, held-out) prompts: the toy generator (None) and toy-GenEval's, or --prompts, every 10th held out."""
     if not args.prompts:
-        return None, eval_prompts(args.eval_per_tag, seed=4321 if args.tune else 1234)
+        return None, eval_prompts(args.eval_per_tag, seed=PROMPT_SEEDS["tuning" if args.tune else "held-out"])
     metas = [{"tag": "prompt", "prompt": p} for p in map(str.strip, Path(args.prompts).read_text().splitlines()) if p]
     if len(metas) < 2:
         raise UsageError(f"--prompts {args.prompts}: needs at least 2 prompts (one a line); it has {len(metas)}")
@@ -1507,15 +1509,14 @@ class RunFolder:
         pairs = None if full else curve_pairs(parts.eval_pool, args.curve_per_tag)
         with ema_applied(self.ema, parts.params):  # at 0 the adapter is 0: the base
             if it:
-                made = evaluate(policy, args, parts.reward_fn, pairs=pairs)
+                metrics, images, metas, scores = evaluate(policy, args, parts.reward_fn, pairs=pairs)
             else:
-                made = base_evaluation(args, parts, self.code)
-        metrics, images, metas, scores = made
+                metrics, images, metas, scores = base_evaluation(args, parts, self.code)
         self.state["base_scores"] = self.state.get("base_scores") or scores  # gains pair with the first evaluation
         base = {k: v[scores["pair"]] for k, v in self.state["base_scores"].items()}  # the same pairs as this one's
         gains = paired_gains(scores, base, [m.get("tag", "prompt") for m in metas])
         self.append_metrics({"iteration": it, **metrics, **gains, "nfe": nfe, "wall_s": round(self.wall, 2),
-                     "eval_pairs": len(metas)})
+                             "eval_pairs": len(metas)})
         torch.save(scores, self.path / f"scores_{it:04d}.pt")  # per image: the record pairs runs with them
         save_grid(images, metas, scores, self.path / f"samples_{it:04d}.png",
                   f"{args.method} iteration {it}: held-out score {metrics['eval_overall']:.3f}")
@@ -1561,12 +1562,12 @@ class RunFolder:
         evaluations = [h | {"scores": per_pair(torch.load(self.path / f"scores_{h['iteration']:04d}.pt",
                                                           weights_only=True), self.args)}
                        for h in self.history if "eval_overall" in h]
+        nfe = max([0] + [h["nfe"] for h in self.history if "nfe" in h])
         record = {"label": run_label(self.args), "seed": self.args.seed, "args": dataclasses.asdict(self.args),
-                  "iterations": self.args.iterations, "nfe": max([0] + [h["nfe"] for h in self.history if "nfe" in h]),
-                  "seconds": round(self.wall, 2),
+                  "iterations": self.args.iterations, "nfe": nfe, "seconds": round(self.wall, 2),
                   "threads": torch.get_num_threads(), "torch": torch.__version__, "cpu": cpu_name(), "code": self.code,
-                  "training": training,
-                  "base": evaluations[0] if evaluations else None, "evaluations": evaluations[1:], **error}
+                  "training": training, "base": evaluations[0] if evaluations else None, "evaluations": evaluations[1:],
+                  **error}
         (self.path / "record.json.tmp").write_text(json.dumps(record, separators=(",", ":")))  # ~50 kB a toy run
         os.replace(self.path / "record.json.tmp", self.path / "record.json")
 
