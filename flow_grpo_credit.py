@@ -121,11 +121,12 @@ def read_file(path: Path, load=lambda p: json.loads(p.read_text()),
     try:
         return load(path, **options)
     except Exception as e:  # cut short, copied in part, edited by hand: whichever reader fails, the file is unusable
-        raise UsageError(f"{path.name} in {path.parent} cannot be read ({first_sentence(e)}); {fix}") from None
+        wrong = re.split(r"\.\s|\n", str(e))[0] or type(e).__name__  # the reader's first sentence
+        raise UsageError(f"{path.name} in {path.parent} cannot be read ({wrong}); {fix}") from None
 
-def first_sentence(error: Exception) -> str:
-    """What a library's error says, in the first sentence of its message (its type's name if it has none)."""
-    return re.split(r"\.\s|\n", str(error))[0] or type(error).__name__
+def first_line(error: Exception) -> str:
+    """A loader's error message, whole to its first line break (where it names the missing part), or its type."""
+    return (str(error).splitlines() or [type(error).__name__])[0]
 
 def segment_mean(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-id means of values (N,) -> (means (K,) in sorted id order, inverse (N,)); means[inverse] is each value's."""
@@ -636,7 +637,7 @@ def load_policy(args: Args, device) -> Policy:
             warnings.simplefilter("ignore", FutureWarning)
             pipe = diffusers.DiffusionPipeline.from_pretrained(args.model, torch_dtype=torch.bfloat16 if bf16 else None)
     except Exception as e:  # missing or damaged files (a cut-short .safetensors raises a SafetensorError)
-        raise UsageError(f"--model {args.model!r}: cannot load it ({first_sentence(e)})") from None
+        raise UsageError(f"--model {args.model!r}: cannot load it ({first_line(e)})") from None
     if not isinstance(pipe, (diffusers.StableDiffusion3Pipeline, diffusers.FluxPipeline)):
         raise UsageError(f"--model {args.model!r} is a {type(pipe).__name__}; expected an SD3 or FLUX pipeline")
     return PipelinePolicy(pipe, args, device)
@@ -671,7 +672,7 @@ def clip_reward(name: str, model: str, device):
             clip = CLIPModel.from_pretrained(model).to(device).eval().requires_grad_(False)
             ip, tok = AutoImageProcessor.from_pretrained(processor), AutoTokenizer.from_pretrained(processor)
     except Exception as e:  # missing or damaged files (a cut-short .safetensors raises a SafetensorError)
-        raise UsageError(f"--reward-model {model!r}: cannot load it ({first_sentence(e)})") from None
+        raise UsageError(f"--reward-model {model!r}: cannot load it ({first_line(e)})") from None
     if model_type != "clip":
         raise UsageError(f"--reward-model {model!r} is a {model_type!r} model; {name} needs a CLIP model")
     size = clip.config.vision_config.image_size  # the processor's crop size
@@ -734,6 +735,8 @@ def sde_step(x, v, t, t_next, *, kind="flow", noise_level=None, noise=None, prev
          arXiv 2509.05952), std = t_next sin(eta pi / 2): mean = (1 - t_next) x0_hat + sqrt(t_next^2 - std^2) x1_hat.
     log_prob is the Gaussian log-density MEAN over C*H*W (Deviation 10), 0 where std = 0 (a step never trained);
     noise level 0 gives the Euler step, None the kind's default; `prev_sample` re-scores a stored transition."""
+    if kind not in SDE_LEVELS:  # validate checks --sde; a caller of this function may pass any kind
+        raise UsageError(f"unknown SDE kind {kind!r}; choose one of {', '.join(SDE_LEVELS)}")
     x, v = x.float(), v.float()  # fp32: the mean overflows in bf16
     noise_level = SDE_LEVELS[kind] if noise_level is None else noise_level
     t_, tn = _as_column(t, x), _as_column(t_next, x)
@@ -743,7 +746,7 @@ def sde_step(x, v, t, t_next, *, kind="flow", noise_level=None, noise=None, prev
         mean = x - (t_ - tn) * (v + sigma_t**2 / (2 * t_) * x1_hat)
         std = sigma_t * torch.sqrt(t_ - tn)
     else:
-        std = {"ddim": noise_level * tn * torch.sqrt(1 - t_), "cps": tn * math.sin(noise_level * math.pi / 2)}[kind]
+        std = noise_level * tn * torch.sqrt(1 - t_) if kind == "ddim" else tn * math.sin(noise_level * math.pi / 2)
         # ddim: std 0 at t = 1, the first step deterministic and never trained (Deviation 5)
         mean = (1 - tn) * x0_hat + torch.sqrt((tn**2 - std**2).clamp_min(0)) * x1_hat
     if prev_sample is None:

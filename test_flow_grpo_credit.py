@@ -3106,3 +3106,11 @@ def test_benchmark_architecture_configs_have_the_published_parameter_counts(name
     count = stored(bench.build_module(part))
     assert abs(count - published) <= within, f"{name} {component}: {count:,} parameters"
     assert stored(bench.build_module(part, layers=1)) < count
+
+
+def test_a_loaders_error_is_quoted_to_its_first_line_break_or_named_by_its_type():
+    """first_line keeps a message whole up to its first line break (the part it names may come after a full stop)
+    and names an error without a message by its type, where splitlines()[0] raised IndexError."""
+    named = OSError("Can't load it. Make sure /m/text_encoder holds model.safetensors.\nSee the docs.")
+    assert fgc.first_line(named) == "Can't load it. Make sure /m/text_encoder holds model.safetensors."
+    assert fgc.first_line(KeyError()) == "KeyError" and fgc.first_line(ValueError("")) == "ValueError"
