@@ -63,8 +63,7 @@ A step's log-prob is a MEAN over the D = C*H*W dimensions, as in every official 
 likelihood ratio (grpo_loss). Ids, masks and counters live on the CPU, what meets the model on `policy.device`.
 Noise is drawn on CPU generators: a seed draws the same noise on every device (the arithmetic then differs).
 
-Deviations from the papers and official codes: the README's numbered list, cited as "Deviation n" where the code
-makes them.
+Deviations from the papers and official codes: the README's numbered list, cited in the code as "Deviation n".
 """
 from __future__ import annotations
 
@@ -121,8 +120,7 @@ def read_file(path: Path, load=lambda p: json.loads(p.read_text()),
     try:
         return load(path, **options)
     except Exception as e:  # cut short, copied in part, edited by hand: whichever reader fails, the file is unusable
-        wrong = re.split(r"\.\s|\n", str(e))[0] or type(e).__name__  # the reader's first sentence
-        raise UsageError(f"{path.name} in {path.parent} cannot be read ({wrong}); {fix}") from None
+        raise UsageError(f"{path.name} in {path.parent} cannot be read ({first_line(e)}); {fix}") from None
 
 def first_line(error: Exception) -> str:
     """A loader's error message, whole to its first line break (where it names the missing part), or its type."""
@@ -273,7 +271,7 @@ def validate(args: Args) -> Args:
         raise UsageError(f"--noise-level of the {args.sde} SDE must be in (0, 1], got {args.noise_level!r}")
     if args.model != "toy" and args.model.startswith((".", "/", "~")) and not Path(args.model).expanduser().exists():
         raise UsageError(f"--model {args.model}: no such folder (a diffusers pipeline folder or a hub id is expected)")
-    if any(n.startswith("toy") for n, _ in parse_reward(reward_spec(args))) and (args.model != "toy" or args.prompts):
+    if any(n.startswith("toy") for n, _ in parse_reward(args.reward)) and (args.model != "toy" or args.prompts):
         raise UsageError("--reward toy scores the built-in toy prompts on the toy model; use pickscore or clip here")
     if args.prompts and not Path(args.prompts).is_file():
         raise UsageError(f"--prompts {args.prompts}: no such file (one prompt a line is expected)")
@@ -286,28 +284,24 @@ def validate(args: Args) -> Args:
     lams = parse_ints(args.granularities, "--granularities")
     if min(lams, default=0) < 1 or len(set(lams)) < len(lams):  # a repeated lambda would count its advantage twice
         raise UsageError(f"--granularities must be distinct positive integers like 1,2,3, got {args.granularities!r}")
-    resolve_device(args.device)
     return args
 
 def args_of(saved: dict) -> Args:
-    """The Args of a saved args.json or record's "args", written by any version of this file: fields that are gone
-    are dropped, the others take their present name (FORMER_NAMES)."""
+    """The Args of a saved args.json or record's "args" of any version: gone fields dropped, FORMER_NAMES renamed."""
     saved = {FORMER_NAMES.get(k, k): v for k, v in saved.items()}
     return Args(**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__})
 
 FORMER_NAMES = {"ema": "ema_decay", "min_std": "min_std_ratio", "seeds": "noises_per_prompt"}  # former -> now
 
 def resolved(args: Args) -> Args:
-    """`args` with each 0 that leaves a value to the method, the SDE or the model filled in (a real model's guidance:
-    the pipeline's), so that a run's args.json holds what ran; a method without a default is a UsageError."""
+    """`args` with each 0 (and reward auto) that leaves a value to the method, the SDE or the model filled in (a real
+    model's guidance: the pipeline's), so that a run's args.json holds what ran."""
     method = METHODS[args.method]
-    if missing := [k for k in ("iterations", "lr") if not getattr(args, k) and getattr(method, k) is None]:
-        flags = " and ".join(f"--{k}" for k in missing)
-        raise UsageError(f"--method {args.method} is registered without a default {' or '.join(missing)}: give {flags}")
     own_level = method.noise_level if args.sde == "flow" else None  # a method's noise level is its flow SDE's a
     model = ToyPolicy.defaults if args.model == "toy" else PipelinePolicy.defaults
+    reward = args.reward if args.reward != "auto" else "toy-strict" if args.model == "toy" else "pickscore"
     return dataclasses.replace(args, iterations=args.iterations or method.iterations, lr=args.lr or method.lr,
-                               noise_level=args.noise_level or own_level or SDE_LEVELS[args.sde],
+                               noise_level=args.noise_level or own_level or SDE_LEVELS[args.sde], reward=reward,
                                **{k: getattr(args, k) or v for k, v in model.items()})
 
 def resolve_device(name: str) -> torch.device:
@@ -699,12 +693,9 @@ def parse_reward(spec: str) -> list[tuple[str, float]]:
     except ValueError:
         raise UsageError(f"--reward {spec!r}: weights must be numbers, as in pickscore:0.7,clip:0.3") from None
 
-def reward_spec(args: Args) -> str:
-    return args.reward if args.reward != "auto" else "toy-strict" if args.model == "toy" else "pickscore"
-
 def build_reward(args: Args, device):
     """The weighted sum the --reward spec names -> (N,) float on `device`."""
-    terms = parse_reward(reward_spec(args))
+    terms = parse_reward(resolved(args).reward)
     named = dict(p.split("=", 1) for p in args.reward_model.split(",") if "=" in p)
     scorers = {  # the toy terms look their scorer up at call time, so tests can replace it
         "toy": lambda images, metas: toy_reward(images, metas),
@@ -867,7 +858,7 @@ class Transitions:
 def transitions_from(traj: Trajectory, prompt: torch.Tensor, advantage, train_mask, *, weight=1.0, chunk_id=None,
                      state_id=None, first_step: int = 0) -> Transitions:
     """The trained transitions of a trajectory batch. advantage, weight, chunk_id, state_id (default: each its own): a
-    number, (S,), (B, 1) or (B, S); train_mask: (S,) or (B, S) bool; first_step: base-grid index of step 0."""
+    number, (S,), (B, 1) or (B, S); train_mask: (S,) or (B, S) bool; first_step: training-grid index of step 0."""
     b, n_steps = traj.log_probs.shape
     keep = torch.as_tensor(train_mask).expand(b, n_steps).flatten().nonzero().flatten()  # (N,) CPU indices of B*S steps
     own = torch.arange(b * n_steps).view(b, n_steps)  # an id of each transition's own
@@ -904,7 +895,7 @@ class Context:
     gen: torch.Generator  # this rank's randomness: SDE noise, independent starting noise
     metas: list  # B prompts as GenEval metadata
     cond: dict  # prompt embeddings, batch-first (B, ...), on the policy's device
-    grid: torch.Tensor  # (S+1,) base time grid
+    grid: torch.Tensor  # (S+1,) the training time grid
     reward_fn: object  # (images (N, 3, H, W) in [0, 1], metas) -> rewards (N,)
     chunk_sizes: list | None = None
     dist: Dist = field(default_factory=Dist)
@@ -1132,18 +1123,16 @@ def chunk_sizes_of(policy, args: Args, grid: torch.Tensor, dist: Dist = Dist()) 
 
 @dataclass(frozen=True)
 class Method:
-    """A credit assignment and the defaults it trains with, which --iterations 0 and --lr 0 take (None: none, and
-    the flag must be given); `noise_level`: the flow SDE's a (None: the SDE's own, SDE_LEVELS)."""
+    """A credit assignment and the defaults it trains with, which --iterations 0, --lr 0 and --noise-level 0 take."""
 
     assign: object  # (Context) -> (Transitions to train on, rewards (N,) for logging)
-    iterations: int | None = None  # GRPO iterations of a default run
-    lr: float | None = None
-    noise_level: float | None = None
+    iterations: int = 64  # GRPO iterations of a default run
+    lr: float = 1e-3
+    noise_level: float | None = None  # the flow SDE's a (None: the SDE's own, SDE_LEVELS)
 
-METHODS = {"flow_grpo": Method(flow_grpo, iterations=64, lr=1e-3), "stepwise": Method(stepwise, iterations=32, lr=1e-3),
-           "tempflow": Method(tempflow, iterations=40, lr=1e-3),
-           "g2rpo": Method(g2rpo, iterations=32, lr=3e-4, noise_level=0.7),  # Deviation 4
-           "chunk": Method(chunk, iterations=56, lr=1e-3)}
+METHODS = {"flow_grpo": Method(flow_grpo), "stepwise": Method(stepwise, iterations=32),
+           "tempflow": Method(tempflow, iterations=40), "g2rpo": Method(g2rpo, iterations=32, lr=3e-4, noise_level=0.7),
+           "chunk": Method(chunk, iterations=56)}  # g2rpo's lr and noise level: Deviation 4
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1578,7 +1567,7 @@ def base_evaluation(args: Args, parts: Setup, code: str) -> tuple:
     """The base model's evaluation, cached on this machine under a key of all that determines it (weights, evaluation
     flags, the script's `code` id as the run started, torch, CPU, threads): a campaign evaluates the base once."""
     weights = Path(args.model if args.model != "toy" else args.toy_base or TOY_BASE)  # a hub id: its name alone
-    folders = [weights, *([TOY_PREF] if "toy-pref" in reward_spec(args) else [])]  # the proxy scores the base too
+    folders = [weights, *([TOY_PREF] if "toy-pref" in args.reward else [])]  # the proxy scores the base too
     files = sorted(p for folder in folders if folder.exists() for p in folder.rglob("*") if p.is_file())
     prompts = Path(args.prompts).read_text() if args.prompts else ""
     key = {"weights": [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files],
@@ -1732,7 +1721,7 @@ def plot_curves(history: list[dict], path: Path, label: str) -> None:
 def per_pair(scores: dict, args: Args) -> dict:
     """An evaluation's per-pair scores for a record: pair numbers, the toy's integer scores or a model's rewards;
     under toy-pref also the proxy's reward and the gold (to 4 digits), which notebook 04 sets against each other."""
-    toy, pref = "strict" in scores, reward_spec(args) == "toy-pref"
+    toy, pref = "strict" in scores, args.reward == "toy-pref"
     counts = ("pair", "strict", "geneval", "extra", "missing") if toy else ("pair",)
     floats = ("reward", "gold") if pref else () if toy else ("reward",)
     kept = {k: scores[k].int().tolist() for k in counts}

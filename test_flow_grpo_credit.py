@@ -165,7 +165,7 @@ def test_an_extra_object_fails_the_strict_rule_and_costs_only_the_strict_reward(
     torch.testing.assert_close(strict_clean - strict_extra, torch.full((len(metas),), 0.5 + penalty))
     torch.testing.assert_close(fgc.toy_reward(extra, metas), fgc.toy_reward(clean, metas))  # GenEval's rule
     default = fgc.build_reward(fgc.Args(), torch.device("cpu"))  # the toy model's default reward is toy-strict
-    assert fgc.reward_spec(fgc.Args()) == "toy-strict"
+    assert fgc.resolved(fgc.Args()).reward == "toy-strict"
     assert (default(clean, metas) - default(extra, metas)).min() == pytest.approx(0.5 + fgc.Args().extra_penalty)
     geneval = fgc.build_reward(fgc.Args(reward="toy"), torch.device("cpu"))
     torch.testing.assert_close(geneval(extra, metas), geneval(clean, metas))
@@ -1281,23 +1281,19 @@ def test_a_default_run_s_args_hold_what_ran_and_records_written_before_read_the_
     assert (real.micro_batch, real.lora_rank, real.lora_alpha, real.guidance) == (4, 32, 64.0, 0.0)
 
 
-def test_a_method_registered_with_its_defaults_trains_and_one_without_them_is_a_one_line_error(
-        tiny_cache, tmp_path, monkeypatch, capsys):
-    """A sixth method is one METHODS entry: registered with its defaults it trains (under the defaults it states); one
-    without a default learning rate is a one-line UsageError naming it, exit status 2, unless --lr is given."""
+def test_a_method_registered_with_its_defaults_trains_under_them_and_one_without_them_under_method_s(
+        tiny_cache, tmp_path, monkeypatch):
+    """A sixth method is one METHODS entry: registered with its defaults it trains under them; registered with its
+    function alone it takes Method's (64 iterations, lr 1e-3, the SDE's noise level), and flags still override them."""
     monkeypatch.setitem(fgc.METHODS, "sixth", fgc.Method(fgc.flow_grpo, iterations=2, lr=5e-3))
     monkeypatch.setattr(fgc, "toy_strict_reward", lambda images, metas, penalty: images.mean((1, 2, 3)).cpu())
     history = fgc.train(tiny_args(tiny_cache, tmp_path / "sixth", method="sixth", iterations=0))
     steps = [h for h in history if "reward_mean" in h]
     assert len(steps) == 2 and all(h["trained"] > 0 and h["lr"] == 5e-3 for h in steps)
-    monkeypatch.setitem(fgc.METHODS, "seventh", fgc.Method(fgc.flow_grpo, iterations=2))
-    out = tmp_path / "seventh"
-    flags = ["--method", "seventh", "--toy-base", str(Path(tiny_cache) / "toy"), "--out", str(out)]
-    capsys.readouterr()  # the sixth's progress bar
-    assert fgc.main(flags) == 2 and not out.exists()
-    err = capsys.readouterr().err
-    assert err == "error: --method seventh is registered without a default lr: give --lr\n", err
-    assert fgc.validate(fgc.Args(method="seventh", lr=1e-3)).lr == 1e-3
+    monkeypatch.setitem(fgc.METHODS, "seventh", fgc.Method(fgc.flow_grpo))
+    seventh = fgc.validate(fgc.Args(method="seventh"))
+    assert (seventh.iterations, seventh.lr, seventh.noise_level) == (64, 1e-3, 1.0)
+    assert fgc.validate(fgc.Args(method="seventh", lr=2e-3, iterations=3)).lr == 2e-3
 
 
 def test_setup_resolves_the_method_s_lr_itself():
