@@ -243,12 +243,11 @@ class Args:
 
 CHOICES = {"sde": SDE_LEVELS, "dtype": ("auto", "fp32", "bf16"), "device": ("auto", "cpu", "cuda")}  # and METHODS
 RULES = {  # what a valid value of each flag is, and how to tell
-    ">= 0 (0: the method's default)": (["iterations", "lr"], lambda v: v >= 0),
     ">= 2": (["group_size"], lambda v: v >= 2),
     ">= 3": (["steps"], lambda v: v >= 3),
     "> 0": (["clip_range", "max_grad_norm", "resolution"], lambda v: v > 0),
     ">= 0": (["micro_batch", "noise_level", "min_std_ratio", "extra_penalty", "beta", "lora_rank", "lora_alpha",
-              "branch_steps"], lambda v: v >= 0),
+              "branch_steps", "iterations", "lr"], lambda v: v >= 0),
     ">= 1": (["prompts_per_iter", "eval_steps", "eval_every", "eval_per_tag", "curve_per_tag", "inner_updates",
               "tweedie_substeps", "noises_per_prompt", "num_chunks", "checkpoint_every", "max_nonfinite"],
              lambda v: v >= 1),
@@ -367,8 +366,7 @@ Detection = collections.namedtuple("Detection", "cls color centre size")  # cls 
 
 def detect(img: np.ndarray, min_area: int = 6) -> list[Detection]:
     """The toy object detector: nearest palette colour per pixel, 4-connected components, shape rule, exact on the
-    shapes the toy base learned from: a square fills its box, a circle misses its corners (fill 21/25), a triangle is
-    bottom-heavy."""
+    toy base's shapes: a square fills its box, a circle misses its corners (fill 21/25), a triangle is bottom-heavy."""
     from scipy import ndimage
     nearest = ((img[:, :, None, :] - PALETTE) ** 2).sum(-1).argmin(-1)  # (RES, RES), 0 the background
     found = []
@@ -437,13 +435,9 @@ def colour_cleanliness(images: torch.Tensor) -> torch.Tensor:
 
 def toy_gold(scores: dict, taste: torch.Tensor, charge: float = 0.5) -> torch.Tensor:
     """The preference world's gold, what its rater wants, from score_batch's scores and the images' taste term
-    (colour_cleanliness), (N,) each -> (N,):
-        gold = strict + dense / 2 - charge * (extra + missing) + taste
-    strict: alignment as GenEval judges it, nothing left out and nothing added; dense / 2: partial credit, so that a
-    near miss beats a wide miss; the charge: an image that drops an asked object or adds one loses; cleanliness:
-    taste, which base samples vary on and the exact scorer (it rounds each pixel to the palette) does not see."""
-    counted = scores["extra"] + scores["missing"]
-    return scores["strict"] + scores["dense"] / 2 - charge * counted + taste
+    (colour_cleanliness), (N,) each -> (N,). dense / 2 makes a near miss beat a wide miss; taste is what base samples
+    vary on and the exact scorer (it rounds each pixel to the palette) does not see."""
+    return scores["strict"] + scores["dense"] / 2 - charge * (scores["extra"] + scores["missing"]) + taste
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -817,13 +811,11 @@ def rollout(policy, cond: dict, x: torch.Tensor, times: torch.Tensor, stochastic
     return Trajectory(torch.stack(states, 1), times, *(torch.stack(seq, 1) for seq in zip(*steps)))
 
 def initial_noise(policy, n: int, gen: torch.Generator) -> torch.Tensor:
-    """(n, C, H, W) standard normal latents, drawn on the CPU generator, on the policy's device."""
-    return torch.randn(policy.latent_shape(n), generator=gen).to(policy.device)
+    return torch.randn(policy.latent_shape(n), generator=gen).to(policy.device)  # (n, C, H, W), drawn on the CPU
 
 @dataclass
 class Transitions:
-    """The N transitions x -> x_next that a method hands the loss: a chunk (Chunk-GRPO's; else each its own) shares one
-    ratio, a state (a branch point's children) one forward pass; `weight` is TempFlow's step weight."""
+    """The N transitions x -> x_next that a method hands the loss; `weight` is TempFlow's step weight."""
 
     x: torch.Tensor  # (N, C, H, W) state before the step
     x_next: torch.Tensor  # (N, C, H, W) sampled state after the step
@@ -912,7 +904,6 @@ class Context:
         return {k: e[prompt.to(e.device)] for k, e in self.cond.items()}
 
     def sample(self, prompt: torch.Tensor, x, times, stochastic, v_first=None) -> Trajectory:
-        """rollout with this iteration's prompts `prompt` (N,), policy, SDE and noise generator."""
         return rollout(self.policy, self.cond_of(prompt), x, times, stochastic, self.args, self.meter, self.gen,
                        v_first)
 
@@ -938,8 +929,7 @@ def repeat_each(x: torch.Tensor, g: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------
 # 7 Credit assignment: one function per method, same signature, side by side
 #
-# Each takes the iteration's Context and returns (Transitions to train on, rewards for logging). How a method
-# samples is data for the shared rollout: which steps are stochastic, where a trajectory starts, which grid.
+# Each is a Method's `assign`; how it samples is data for the shared rollout (stochastic steps, start, grid).
 
 def flow_grpo(ctx: Context):
     """Flow-GRPO (arXiv 2505.05470v5, NeurIPS 2025; code yifan123/flow_grpo@ac4c86e): SDE Eq. 9, group advantage.
@@ -979,8 +969,7 @@ def stepwise(ctx: Context):
     return transitions_from(traj, prompt, adv, ctx.trainable), r[:, -1]
 
 def x0_estimate(ctx: Context, prompt, x, v, t, n: int) -> torch.Tensor:
-    """x0_hat of states x (N, C, H, W) at times t (N,) by n Euler steps to t = 0; the first reuses the
-    sampler's velocity v, so n sub-steps cost n - 1 passes."""
+    """x0_hat of states x (N, C, H, W) at times t (N,): n Euler steps to t = 0, the first with the sampler's v."""
     times = t[:, None] * torch.linspace(1, 0, n + 1, device=t.device)  # (N, n+1)
     x = ode_step(x, v, times[:, 0], times[:, 1])
     return x if n == 1 else ctx.sample(prompt, x, times[:, 1:], [False] * (n - 1)).states[:, -1]
@@ -1014,8 +1003,7 @@ def tempflow(ctx: Context):
                             ode_path.velocities[path_id, k])
         r = ctx.reward(branch.states[:, -1], child_prompt)
         adv = ctx.advantages(r, path_id)[:, None]  # per (prompt, noise, k)
-        only_first = torch.arange(n_steps - k) == 0
-        branches.append(transitions_from(branch, child_prompt, adv, only_first, weight=weight[k],
+        branches.append(transitions_from(branch, child_prompt, adv, sde_once, weight=weight[k],
                                          state_id=path_id[:, None], first_step=k))
         rewards.append(r)
     return Transitions.cat(branches), torch.cat(rewards)
@@ -1197,10 +1185,8 @@ def adapter_disabled(net):
 
 def accumulate_gradients(policy, cond: dict, mb: Transitions, args: Args, meter: Meter | None = None) -> list[dict]:
     """Backward of a minibatch's loss in pieces of about `micro_batch` transitions; under DDP only the last backward
-    syncs. A piece holds whole units (a chunk, or a branch point's children), so its loss is exact as it stands; a
-    unit larger than `micro_batch` is a piece of its own, and a pass then holds the largest chunk: at 10 steps 4
-    samples under --chunks paper, up to 6 under auto (4 chunks of 9 steps), where SD3.5's --micro-batch 4 holds 4.
-    `meter` counts the forward passes: one a distinct state of a piece (two with the base's)."""
+    syncs. A piece holds whole units (`units`), so its loss is exact as it stands; a unit larger than `micro_batch`
+    is a piece of its own. `meter` counts the forward passes: one a distinct state of a piece (two with the base's)."""
     unit, size = units(mb), args.micro_batch
     pieces, filled = [], size  # each piece's unit ids; the last piece's transitions
     for unit_id, count in zip(*(ids.tolist() for ids in torch.unique(unit, return_counts=True))):
@@ -1286,7 +1272,6 @@ def prompt_sets(args: Args) -> tuple[list[dict] | None, list[dict]]:
         raise UsageError(f"--prompts {args.prompts}: needs at least 2 prompts (one a line); it has {len(metas)}")
     return [m for i, m in enumerate(metas) if i % 10], metas[5::10] if args.tune else metas[::10]
 
-# What training (and notebooks/benchmark.py) builds before the first iteration; grid: the (S+1,) training time grid
 Setup = collections.namedtuple("Setup", "policy reward_fn params opt grid chunk_sizes train_pool eval_pool")
 
 def setup(args: Args, dist: Dist) -> Setup:
@@ -1340,7 +1325,6 @@ def train(args: Args) -> list[dict]:
         if first_it == 1:  # a new run: the base's evaluation, which every later one is paired with
             folder.evaluate_if_due(0)
         for it in folder.progress(first_it):
-            start = time.time()
             ctx = iteration_context(args, parts, it, meter, dist)
             transitions, rewards = METHODS[args.method].assign(ctx)  # sample with the method's credit assignment
             stats = {"skipped": 1.0}  # non-finite rewards or advantages: no update
@@ -1348,7 +1332,7 @@ def train(args: Args) -> list[dict]:
                 stats = update(parts.policy, parts.opt, ctx.cond, transitions, args, ctx.gen, dist, meter)
             if stats.get("trained") and not stats.get("skipped"):  # optimizer steps were taken and kept
                 ema.step(parts.params)
-            folder.log(it, ctx, transitions, rewards, stats, seconds=time.time() - start)
+            folder.log(it, ctx, transitions, rewards, stats)
             if folder.bad_in_row >= args.max_nonfinite:
                 raise RunError(f"stopped at iteration {it}: {folder.bad_in_row} iterations in a row had non-finite "
                                f"rewards, advantages or gradient; the last good checkpoint is in {folder.path}")
@@ -1379,7 +1363,7 @@ def cpu_name() -> str:
     model = re.search(r"model name\s*: (.*)", cpu.read_text()) if cpu.exists() else None
     return model[1] if model else "unknown"
 
-class RunFolder:
+class RunFolder(contextlib.AbstractContextManager):
     """A run's folder and its books, kept outside the training loop (rank 0 writes, under a lock): args.json,
     metrics.jsonl, each evaluation's scores and sample grid, checkpoints, the LoRA and, last, record.json."""
 
@@ -1413,23 +1397,20 @@ class RunFolder:
             try:
                 self.path.mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                raise UsageError(f"--out {self.args.out!r}: cannot create the run folder {self.path} "
-                                 f"({e.strerror or e})") from None
+                raise UsageError(f"--out {self.args.out!r}: cannot create {self.path} ({e.strerror or e})") from None
             from filelock import FileLock, Timeout
             self.lock = FileLock(self.path / ".lock")  # one writer per folder: the process's until it exits
             try:
                 self.lock.acquire(timeout=0)
             except Timeout:
-                raise UsageError(f"{self.path} is being written by another process; stop it (or let it finish) "
-                                 "first") from None
+                raise UsageError(f"{self.path} is being written by another process; stop it or let it finish") from None
         self.state = {"iteration": 0, "meter": {}, "wall": 0.0}
         if resume:  # onto the CPU, as weights only; the moving average then joins the model
             from peft.utils import set_peft_model_state_dict
             saved = dataclasses.asdict(resolved(args_of(read_file(self.path / "args.json"))))
-            mine = dataclasses.asdict(self.args)
-            for flag in [f for f in ("lr", "weight_decay", "ema_decay") if mine[f] != saved[f]]:
+            for flag in [f for f in ("lr", "weight_decay", "ema_decay") if getattr(self.args, f) != saved[f]]:
                 raise UsageError(f"a run resumes as it began: --{flag.replace('_', '-')} is {saved[flag]!r} in its "
-                                 f"folder, not {mine[flag]!r}; start a new run (another --run folder) instead")
+                                 f"folder, not {getattr(self.args, flag)!r}; start a new run (another --run) instead")
             self.state = read_file(self.path / "checkpoint.pt", torch.load, map_location="cpu", weights_only=True)
             set_peft_model_state_dict(parts.policy.net, self.state["lora"])
             parts.opt.load_state_dict(self.state["optimizer"])
@@ -1445,50 +1426,43 @@ class RunFolder:
             self.append_metrics({"iteration": 0, "chunk_sizes": parts.chunk_sizes})
         return self.meter, self.state["iteration"] + 1
 
-    def progress(self, first: int):
-        """The iterations left, under a progress bar."""
+    def progress(self, first_it: int):
         quiet = not self.writer or os.environ.get("TQDM_DISABLE", "") not in ("", "0")  # disable= overrides the env
-        self.bar = tqdm(range(first, self.args.iterations + 1), desc=self.args.method, dynamic_ncols=True,
+        self.bar = tqdm(range(first_it, self.args.iterations + 1), desc=self.args.method, dynamic_ncols=True,
                         disable=quiet)
         for it in self.bar:
-            self.iteration = it
+            self.iteration, self.started = it, time.time()  # the iteration's seconds run from here to its log
             yield it
-
-    def __enter__(self) -> "RunFolder":
-        return self
 
     def __exit__(self, error_type, error, traceback) -> None:
         """An error (not an interrupt: that run resumes) leaves a record naming it; the next start tries again."""
-        if isinstance(error, Exception) and hasattr(self, "file"):
+        if isinstance(error, Exception) and hasattr(self, "file") and self.writer:
             self.write_record(error=f"{error_type.__name__}: {error}", iteration=self.iteration)
 
     def append_metrics(self, entry: dict) -> None:
         self.history.append(entry)
         self.file.write(json.dumps(entry) + "\n")
 
-    def log(self, it: int, ctx: Context, transitions: Transitions, rewards: torch.Tensor, stats: dict,
-            seconds: float) -> None:
+    def log(self, it: int, ctx: Context, transitions: Transitions, rewards: torch.Tensor, stats: dict) -> None:
         """The iteration's metrics.jsonl line (counters summed over ranks), and the count of skips in a row."""
-        self.wall += seconds
+        self.wall += time.time() - self.started
         self.bad_in_row = self.bad_in_row + 1 if stats.get("skipped") else 0
         if self.bad_in_row and self.writer:
             tqdm.write(f"warning: iteration {it}: non-finite rewards, advantages or gradient; update undone")
-        dist = self.dist
-        rewards = dist.gather(rewards.float())
+        rewards = self.dist.gather(rewards.float())
         adv_abs = segment_mean(transitions.advantage.abs(), transitions.step)[0].tolist()  # one host sync
         per_step = {f"adv_abs/{k}": a for k, a in zip(transitions.step.unique().tolist(), adv_abs)}
         line = {"iteration": it, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()), **stats,
                 "zero_std_frac": float(torch.cat(ctx.stats["zero_std"]).float().mean()),  # the same on all ranks
-                "transitions": int(dist.reduce(len(transitions))), "nfe": int(dist.reduce(self.meter.nfe)),
-                "images_scored": int(dist.reduce(self.meter.images_scored)),
+                "transitions": int(self.dist.reduce(len(transitions))), "nfe": int(self.dist.reduce(self.meter.nfe)),
+                "images_scored": int(self.dist.reduce(self.meter.images_scored)),
                 "lr": self.parts.opt.param_groups[0]["lr"], "wall_s": round(self.wall, 2), **per_step}
         self.append_metrics(line)
         self.bar.set_postfix(reward=f"{self.history[-1]['reward_mean']:.3f}", kl=f"{self.history[-1].get('kl', 0):.2g}")
 
     def evaluate_if_due(self, it: int) -> None:
-        """At 0, every eval_every iterations and at the end: the moving average's held-out scores, paired with the
-        base's on the same pairs (a curve point scores every k-th pair of each category; the ends, --full-evals and
-        the first iteration past each --full-eval-nfe budget score all)."""
+        """At 0, every eval_every iterations and at the end: the moving average's held-out scores (curve_pairs),
+        paired with the base's; the ends, --full-evals and the first past each --full-eval-nfe budget score all."""
         args, parts, policy = self.args, self.parts, self.parts.policy
         spent = [0, 0] + [h["nfe"] for h in self.history if "reward_mean" in h]  # passes after each iteration
         full = (it in (0, args.iterations, *parse_ints(args.full_evals, "--full-evals"))
@@ -1545,8 +1519,6 @@ class RunFolder:
     def write_record(self, **error) -> None:
         """record.json, atomically: flags, cost, machine, code, the training rewards, the base's evaluation and every
         later one with per-pair scores; `error` and `iteration` for a run that an error stopped."""
-        if not self.writer:
-            return
         lines = [h for h in self.history if "reward_mean" in h]  # every iteration's metrics as columns, to 4 digits
         keys = dict.fromkeys(k for h in lines for k in h if k != "wall_s")
         training = {k: [h.get(k) if isinstance(h.get(k), (int, type(None))) else float(f"{h[k]:.4g}") for h in lines]
@@ -1569,9 +1541,8 @@ def base_evaluation(args: Args, parts: Setup, code: str) -> tuple:
     weights = Path(args.model if args.model != "toy" else args.toy_base or TOY_BASE)  # a hub id: its name alone
     folders = [weights, *([TOY_PREF] if "toy-pref" in args.reward else [])]  # the proxy scores the base too
     files = sorted(p for folder in folders if folder.exists() for p in folder.rglob("*") if p.is_file())
-    prompts = Path(args.prompts).read_text() if args.prompts else ""
     key = {"weights": [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files],
-           "prompts_text": prompts,
+           "prompts_text": Path(args.prompts).read_text() if args.prompts else "",
            **{k: v for k, v in dataclasses.asdict(args).items() if k in EVALUATION_FLAGS}, "code": code,
            "torch": torch.__version__, "cpu": cpu_name(), "threads": torch.get_num_threads(),
            "device": str(parts.policy.device)}
@@ -1641,8 +1612,7 @@ def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None
 
 def kl_to_base(policy, cond: dict, traj: Trajectory, args: Args) -> torch.Tensor:
     """How far the policy has moved from the base (the x-axis of Gao et al. 2022's over-optimisation curves), (B,):
-    the sum over the trainable steps of the Gaussian KL of the SDE step from each state of `traj`, the policy's ODE
-    path, to the adapter-disabled base's (the per-step KL of Flow-GRPO's Eq. 10, Deviation 2)."""
+    the sum over trainable steps of gaussian_kl of the SDE step from each state of `traj`, the policy's ODE path."""
     kl = torch.zeros(len(traj.states), device=traj.states.device)
     for k in trainable_steps(traj.times[0].cpu(), args).nonzero().flatten().tolist():
         x, t, t_next, v = traj.states[:, k], traj.times[:, k], traj.times[:, k + 1], traj.velocities[:, k]
