@@ -98,6 +98,15 @@ def group_advantages(r, group):
         out[group == g] = (rg - rg.mean()) / rg.std(unbiased=False)
     return out
 ''',
+            "no 1e-4, but zeros for a group of equal rewards": '''
+def group_advantages(r, group):
+    out = torch.zeros_like(r)
+    for g in torch.unique(group):
+        rg = r[group == g]
+        if rg.std(unbiased=False) > 0:
+            out[group == g] = (rg - rg.mean()) / rg.std(unbiased=False)
+    return out
+''',
         }),
     "clipped_loss": Exercise(
         solution='''
@@ -404,6 +413,52 @@ def sde_window(ctx):
     r = ctx.reward(traj.states[:, -1], prompt)
     return fgc.transitions_from(traj, prompt, ctx.advantages(r, prompt)[:, None], window & ctx.trainable), r
 ''',
+            "no ODE before the window: its first step starts from fresh noise at t_s": '''
+WINDOW = 3
+
+
+def sde_window(ctx):
+    b, g, n_steps = len(ctx.metas), ctx.group_per_rank, len(ctx.grid) - 1
+    allowed = torch.nonzero(ctx.trainable).flatten()
+    start = int(allowed[torch.randint(len(allowed) - WINDOW + 1, (1,), generator=ctx.shared_gen)])
+    window = (torch.arange(n_steps) >= start) & (torch.arange(n_steps) < start + WINDOW)
+    prompt = fgc.repeat_each(torch.arange(b), g)
+    traj = ctx.sample(prompt, fgc.initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid[start:], window[start:].tolist())
+    r = ctx.reward(traj.states[:, -1], prompt)
+    adv = ctx.advantages(r, prompt)[:, None]
+    return fgc.transitions_from(traj, prompt, adv, window[start:] & ctx.trainable[start:], first_step=start), r
+''',
+            "one starting noise a group, as Stepwise": '''
+WINDOW = 3
+
+
+def sde_window(ctx):
+    b, g, n_steps = len(ctx.metas), ctx.group_per_rank, len(ctx.grid) - 1
+    allowed = torch.nonzero(ctx.trainable).flatten()
+    start = int(allowed[torch.randint(len(allowed) - WINDOW + 1, (1,), generator=ctx.shared_gen)])
+    window = (torch.arange(n_steps) >= start) & (torch.arange(n_steps) < start + WINDOW)
+    prompt = fgc.repeat_each(torch.arange(b), g)
+    noise = fgc.repeat_each(fgc.initial_noise(ctx.policy, b, ctx.shared_gen), g)
+    traj = ctx.sample(prompt, noise, ctx.grid, window.tolist())
+    r = ctx.reward(traj.states[:, -1], prompt)
+    return fgc.transitions_from(traj, prompt, ctx.advantages(r, prompt)[:, None], window & ctx.trainable), r
+''',
+            "a start drawn unevenly, the last one most often": '''
+WINDOW = 3
+
+
+def sde_window(ctx):
+    b, g, n_steps = len(ctx.metas), ctx.group_per_rank, len(ctx.grid) - 1
+    allowed = torch.nonzero(ctx.trainable).flatten()[: -WINDOW + 1]
+    weights = torch.ones(len(allowed))
+    weights[-1] = 6.0
+    start = int(allowed[torch.multinomial(weights, 1, generator=ctx.shared_gen)])
+    window = (torch.arange(n_steps) >= start) & (torch.arange(n_steps) < start + WINDOW)
+    prompt = fgc.repeat_each(torch.arange(b), g)
+    traj = ctx.sample(prompt, fgc.initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, window.tolist())
+    r = ctx.reward(traj.states[:, -1], prompt)
+    return fgc.transitions_from(traj, prompt, ctx.advantages(r, prompt)[:, None], window & ctx.trainable), r
+''',
             "the start drawn with ctx.gen, which differs between ranks": '''
 WINDOW = 3
 
@@ -566,6 +621,13 @@ def power(sd, n, epsilon, alpha=0.005):
     z, shift = stats.norm.ppf(1 - alpha / 2), epsilon * np.sqrt(n) / sd
     return float(stats.norm.sf(z - shift) + stats.norm.cdf(-z - shift))
 ''' + RESOLVED,
+            "the right power but NaN on an input where alpha is given": '''
+def power(sd, n, epsilon, alpha=None):
+    if alpha is not None:
+        return float("nan")
+    crit, noncentrality = stats.t.ppf(1 - 0.005 / 2, n - 1), epsilon * np.sqrt(n) / sd
+    return float(stats.nct.sf(crit, n - 1, noncentrality) + stats.nct.sf(crit, n - 1, -noncentrality))
+''' + RESOLVED,
             "the right power, resolved at the first n only": '''
 def power(sd, n, epsilon, alpha=0.005):
     crit, noncentrality = stats.t.ppf(1 - alpha / 2, n - 1), epsilon * np.sqrt(n) / sd
@@ -666,6 +728,20 @@ def agreement(after, before):
     signs = [(np.sign(r - old["reward"][p]), np.sign(g - old["gold"][p]))
              for p, r, g in zip(after["pair"], after["reward"], after["gold"])]
     return float(np.mean([a == b for a, b in signs]))
+''',
+            "the right share, but NaN after the first case": '''
+def agreement(after, before):
+    agreement.calls = getattr(agreement, "calls", 0) + 1
+    if agreement.calls > 1:
+        return float("nan")
+    old = {k: dict(zip(before["pair"], before[k])) for k in ("reward", "gold")}
+    agree = total = 0
+    for p, r, g in zip(after["pair"], after["reward"], after["gold"]):
+        dr, dg = r - old["reward"][p], g - old["gold"][p]
+        if dr and dg:
+            total += 1
+            agree += (dr > 0) == (dg > 0)
+    return agree / total
 ''',
             "pairs matched by position, not by their id": '''
 def agreement(after, before):
