@@ -52,12 +52,12 @@ model predicts v = x1 - x0. The states of a trajectory are x[k] (`states[:, k]`)
 1 = t_0 > ... > t_S = 0: x[0] is the noise, x[S] the image.
     k, its direction  transition k: x[k] -> x[k+1], t_k -> t_{k+1}, counting UP from the noise; the papers count DOWN
                       to their image (their x_0, r_0): Stepwise's g_t = r_{t-1} - r_t is gain[:, k]
-    Delta_k           `dt` = t_k - t_{k+1} > 0 (Flow-GRPO's code: sigma_prev - sigma < 0, the same step)
+    Delta_k           dt = t_k - t_{k+1} > 0 (Flow-GRPO's code: sigma_prev - sigma < 0, the same step)
     sigma_t           the flow SDE's a sqrt(t / (1 - t)), with a = `noise_level` (eta of ddim and cps): sde_step
     s_k               `std`, the transition's std: sigma_t sqrt(Delta_k) under the flow SDE (step_stds)
     x0_hat, x1_hat    Tweedie's x_t - t v and x_t + (1 - t) v: sde_step; Stepwise's `x0_estimate` adds ODE sub-steps
     A_i (A_i^k)       `advantage`: group_normalise of rewards r (or gains), per image (or per step)
-    rho               `ratio` in grpo_loss; `r` is always a reward
+    rho               `ratio` in grpo_loss; `r` is a reward (Stepwise: also a gain)
     B, G, S           `b` prompts, `g` images per group (or branches), `n_steps` steps; N transitions, K chunks
 A step's log-prob is a MEAN over the D = C*H*W dimensions, as in every official code: rho is the D-th root of the
 likelihood ratio (grpo_loss). Ids, masks and counters live on the CPU, what meets the model on `policy.device`.
@@ -192,7 +192,7 @@ class Args:
     iterations: int = 0  # GRPO iterations (sample, score, update) (0: the method's, METHODS)
     prompts_per_iter: int = 8  # prompts sampled per iteration
     group_size: int = 8  # images (or branches) that share one advantage normalisation
-    steps: int = 10  # sampling steps during training (Flow-GRPO's denoising reduction: fewer than eval)
+    steps: int = 10  # sampling steps during training (Flow-GRPO: 10, fewer than its 40 eval steps)
     eval_steps: int = 10  # ODE steps of the deterministic evaluation
     eval_every: int = 8  # evaluate every N iterations (and at the start and end)
     eval_per_tag: int = 256  # held-out evaluation prompts (each with its own noise) per GenEval category
@@ -231,7 +231,7 @@ class Args:
     tweedie_substeps: int = 5  # stepwise: ODE sub-steps from each state to t=0 for its reward (1: plain Tweedie)
     noises_per_prompt: int = 2  # tempflow: initial noises a prompt; a noise and branch point hold group_size branches
     branch_steps: int = 3  # tempflow: branch points used per iteration, drawn at random (0: all)
-    granularities: str = "1,2"  # g2rpo: granularities Lambda, every lambda-th node after the SDE step (paper: 1,2,3)
+    granularities: str = "1,2"  # g2rpo: granularities Lambda, t_{k+2}, then every lambda-th node (paper: 1,2,3)
     chunks: str = "auto"  # chunk: sizes like 2,3,4, auto (from the relative-L1 profile) or paper (2,3,4,7 of 16 steps)
     num_chunks: int = 4  # chunk: number of chunks of the automatic segmentation
     weighted_chunks: bool = False  # chunk: draw trained chunks with probability proportional to their relative L1
@@ -413,7 +413,7 @@ def score_image(img: np.ndarray, meta: dict) -> dict:
     for item in meta.get("exclude", []):
         n_found = len(by_class[item["class"]])
         ok &= n_found < item["count"]
-        if n_found >= item["count"]:  # too many: shrink the matching include item's credit
+        if n_found >= item["count"]:  # too many: shrink every include item's credit
             credits = [c * (item["count"] - 1) / n_found for c in credits]
     extra = max(0, len(dets) - sum(item["count"] for item in meta["include"]))
     missing = sum(max(0, item["count"] - len(by_class[item["class"]])) for item in meta["include"])
@@ -640,7 +640,7 @@ REWARD_NAMES = ("toy-strict", "toy", "toy-pref", *CLIP_DEFAULTS)
 TOY_PREF = Path(__file__).resolve().parent / "assets" / "toy_pref"  # the learned proxy: notebooks/toy_pref.py's output
 
 def toy_reward(images: torch.Tensor, metas: list[dict]) -> torch.Tensor:
-    """GenEval's rule, densely: the scorer's partial score in [0, 1]. Extra objects cost nothing."""
+    """GenEval's rule, densely: the scorer's partial score in [0, 1]. Extras cost nothing but in counting."""
     return score_batch(images, metas)["dense"]
 
 def toy_strict_reward(images: torch.Tensor, metas: list[dict], penalty: float) -> torch.Tensor:
@@ -718,7 +718,7 @@ def sde_step(x, v, t, t_next, *, kind="flow", noise_level=None, noise=None, prev
          as the official code), mean = x - dt [v + sigma_t^2 / (2t) x1_hat], std = sigma_t sqrt(dt);
     ddim (Stepwise, arXiv 2603.28718 Eq. 8), std = eta t_next sqrt(1 - t), and cps (Flow-GRPO's code, sde_type='cps',
          arXiv 2509.05952), std = t_next sin(eta pi / 2): mean = (1 - t_next) x0_hat + sqrt(t_next^2 - std^2) x1_hat.
-    log_prob is the Gaussian log-density MEAN over C*H*W (Deviation 10), 0 where std = 0 (a step never trained);
+    log_prob: the full Gaussian log-density (Deviation 10), MEAN over C*H*W, 0 where std = 0 (never trained);
     noise level 0 gives the Euler step, None the kind's default; `prev_sample` re-scores a stored transition."""
     if kind not in SDE_LEVELS:  # validate checks --sde; a caller of this function may pass any kind
         raise UsageError(f"unknown SDE kind {kind!r}; choose one of {', '.join(SDE_LEVELS)}")
@@ -878,8 +878,8 @@ def group_normalise(r: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor,
 
 @dataclass
 class Context:
-    """What a method is given: the policy, the iteration's prompts and helpers. Under torchrun each rank
-    samples `group_size` members of every group; `shared_gen`, the same on every rank, draws what a group shares."""
+    """What a method is given: the policy, the iteration's prompts and helpers. Under torchrun a rank
+    samples group_size / world members of every group; `shared_gen`, the same on all ranks, draws what groups share."""
 
     policy: Policy
     args: Args
@@ -985,13 +985,13 @@ def tempflow(ctx: Context):
 
     ODE path per (prompt, noise); at a bifurcation step k, G children take one SDE step from its state x[k] (with the
     path's velocity there), then ODE; advantage of R_k^j over the G children of (prompt, noise, k); weight
-    w_k = std_k / mean_{trained} std.
+    w_k = std_k / mean_{trainable} std.
     Differs from flow_grpo by: one stochastic step per rollout; per-step rewards; noise-aware weights."""
     b, g, n_steps, noises = len(ctx.metas), ctx.group_per_rank, len(ctx.grid) - 1, ctx.args.noises_per_prompt
     prompt = repeat_each(torch.arange(b), noises)  # (B*noises,)
     ode_path = ctx.sample(prompt, initial_noise(ctx.policy, b * noises, ctx.shared_gen), ctx.grid, [False] * n_steps)
     stds = step_stds(ctx.grid, ctx.args)
-    weight = stds / stds[ctx.trainable].mean()  # (S,) Norm(sigma_t sqrt(dt)) to mean 1 over trained steps
+    weight = stds / stds[ctx.trainable].mean()  # (S,) Norm(sigma_t sqrt(dt)): mean 1 over trainable steps
     ks = torch.nonzero(ctx.trainable).flatten()  # the branch points: `branch_steps` of them at random (Deviation 7)
     if 0 < ctx.args.branch_steps < len(ks):
         ks = ks[torch.randperm(len(ks), generator=ctx.shared_gen)[: ctx.args.branch_steps]].sort().values
@@ -1014,7 +1014,7 @@ def g2rpo(ctx: Context):
 
     Shared ODE anchor per prompt; at every k of the first half of the steps, G branches take one SDE step from its
     state x[k] (with the anchor's velocity there, as its code), each finished by ODE at every granularity lambda
-    (every lambda-th node after t_{k+1}, to t = 0):
+    (t_{k+2}, then every lambda-th node, to t = 0):
         A_k^i = sum_lambda (R_k^{i,lambda} - mean_i) / std_i.
     Differs from flow_grpo by: a shared ODE anchor; one SDE step per rollout; per-step, multi-granularity rewards."""
     b, g, n_steps = len(ctx.metas), ctx.group_per_rank, len(ctx.grid) - 1
@@ -1047,8 +1047,8 @@ def chunk(ctx: Context):
     """Chunk-GRPO (arXiv 2510.21583: v1 Eqs. 14-16; v2 "GCPO", ICML 2026; code xingzhejun/GCPO@ea6cc4d, v1's method).
 
     Sampling and advantage as flow_grpo, independent noises included (GCPO's code shares one per GPU: Deviation 9);
-    consecutive trained steps form chunks of one importance ratio each; a fraction may be trained, drawn by mean
-    relative L1:  ratio_j = exp( mean_{k in chunk j} (log pi_theta - log pi_old) ).
+    consecutive trained steps form chunks of one importance ratio each; a fraction may be trained, drawn uniformly or
+    by relative L1:  ratio_j = exp( mean_{k in chunk j} (log pi_theta - log pi_old) ).
     Differs from flow_grpo by: chunk ids that make the shared loss use chunk-level ratios."""
     b, g, n_steps = len(ctx.metas), ctx.group_per_rank, len(ctx.grid) - 1
     prompt = repeat_each(torch.arange(b), g)  # (B*G,)
@@ -1133,8 +1133,8 @@ def grpo_loss(policy, cond: dict, tr: Transitions, args: Args, minibatch: Transi
     Chunk-GRPO's generalisation: a chunk's transitions share one ratio, exp of their mean log-ratio, and the mean runs
     over chunks (every other method's chunk is one transition). The clip acts on the D-th root of the likelihood
     ratio: on the whole image exp(D eps), 2.2 on the toy (D = 768, eps = 1e-3), 700 on SD3.5 at 512 px (D = 65,536,
-    eps = 1e-4). approx_kl is 1/2 E[log_ratio^2], the k2 estimate Flow-GRPO's and DDPO's codes log; the KL is to the
-    adapter-disabled base (Deviation 2). `tr` is whole chunks of `minibatch` (default: all of it), whose chunk and
+    eps = 1e-4). approx_kl is 1/2 E[log_ratio^2], the k2 estimate Flow-GRPO's and DDPO's codes log; the KL (Deviation 2)
+    is to the adapter-disabled base. `tr` is whole chunks of `minibatch` (default: all of it), whose chunk and
     transition counts the sums divide by, so that the pieces' gradients add up to the minibatch's."""
     log_prob, mean = transition_log_probs(policy, cond, tr, args)
     log_ratio = chunk_log_ratios(log_prob, tr.log_prob, tr.chunk_id)  # (K,) chunks; K = N but in Chunk-GRPO
@@ -1611,7 +1611,7 @@ def evaluate(policy, args: Args, reward_fn=None, metas: list[dict] | None = None
             **{f"eval_{k}": float(scores[k].mean()) for k in ("gold", "taste", "reward")}, **kl}, images, metas, scores
 
 def kl_to_base(policy, cond: dict, traj: Trajectory, args: Args) -> torch.Tensor:
-    """How far the policy has moved from the base (the x-axis of Gao et al. 2022's over-optimisation curves), (B,):
+    """How far the policy has moved from the base (Gao et al. 2022's curves plot its square root), (B,):
     the sum over trainable steps of gaussian_kl of the SDE step from each state of `traj`, the policy's ODE path."""
     kl = torch.zeros(len(traj.states), device=traj.states.device)
     for k in trainable_steps(traj.times[0].cpu(), args).nonzero().flatten().tolist():
