@@ -527,6 +527,38 @@ def test_stepwise_shares_noise_within_a_group_and_trains_each_step():
     assert sorted(torch.unique(tr.step).tolist()) == list(range(5))  # steps 0..S-2
 
 
+def test_stepwise_credits_each_step_with_the_normalised_gain_of_its_states_tweedie_rewards():
+    """Each trained transition's advantage is the gain r[i, k+1] - r[i, k] of the rewards of x0_hat of its trajectory's
+    states (n Euler steps to t = 0; the last state is the image itself), normalised jointly over each prompt's
+    (trajectory, step) pairs with the population std + 1e-4: written out here from the paper's formulas."""
+    ctx = ctx_for({"method": "stepwise"})
+    trajectories, sample = [], ctx.sample
+
+    def kept(*args, **kwargs):  # the first rollout is the sampled trajectories; the others are Tweedie's ODEs
+        trajectories.append(sample(*args, **kwargs))
+        return trajectories[-1]
+
+    ctx.sample = kept
+    tr, _ = fgc.stepwise(ctx)
+    traj, policy, n, (b, g, s) = trajectories[0], ctx.policy, ctx.args.tweedie_substeps, (2, 4, 6)
+    prompt = fgc.repeat_each(torch.arange(b), g)
+    cond = {k: e[prompt] for k, e in ctx.cond.items()}
+    r = torch.zeros(b * g, s + 1)  # the reward of every state's x0_hat, k = 0..S
+    with torch.no_grad():
+        for k in range(s):
+            x, t = traj.states[:, k], traj.times[:, k]
+            for j in range(n):  # Euler from t to 0 in n equal steps
+                t_j, t_next = t * (1 - j / n), t * (1 - (j + 1) / n)
+                x = x + (t_next - t_j).view(-1, 1, 1, 1) * policy.velocity(x, t_j, cond)
+            r[:, k] = policy.decode(x).mean((1, 2, 3))
+        r[:, s] = policy.decode(traj.states[:, -1]).mean((1, 2, 3))
+    gains, expected = r[:, 1:] - r[:, :-1], torch.zeros(b * g, s)
+    for p in range(b):
+        mine = gains[prompt == p]
+        expected[prompt == p] = (mine - mine.mean()) / (mine.std(unbiased=False) + 1e-4)
+    torch.testing.assert_close(tr.advantage.view(b * g, -1), expected[:, :s - 1], rtol=1e-3, atol=1e-3)
+
+
 def test_stepwise_tweedie_estimate_is_the_ode_from_the_state_with_its_first_step_free():
     """x0_hat(x_k) by n sub-steps equals an n-step ODE rollout from x_k that computes every velocity,
     while costing n - 1 passes per state (the first velocity is the sampler's); the group's shared start
@@ -553,7 +585,10 @@ def test_tempflow_weights_average_one_and_advantages_are_zero_mean_per_seed_and_
     tr, _ = fgc.tempflow(ctx)
     steps = torch.unique(tr.step)
     weights = torch.stack([tr.weight[tr.step == k][0] for k in steps])
-    assert abs(weights.mean() - 1) < 1e-6 and weights[0] > weights[-1]  # noisier steps weigh more
+    t, t_next = ctx.grid[:-1], ctx.grid[1:]  # Eq. 7's Norm(sigma_t sqrt(dt)), the flow SDE's a = 1 written out
+    s = (t / (1 - torch.where(t >= 1, t_next, t))).sqrt() * (t - t_next).sqrt()
+    torch.testing.assert_close(weights, s[steps] / s[steps].mean())  # mean 1 over the trained steps
+    assert weights[0] > weights[-1]  # noisier steps weigh more
     blocks = tr.advantage.view(-1, ctx.args.group_size)  # G branches of one (prompt, seed, k)
     assert blocks.sum(1).abs().max() < 1e-3 * blocks.abs().max()
     x = tr.x.view(-1, ctx.args.group_size, *tr.x.shape[1:])
@@ -604,12 +639,14 @@ def test_paper_chunks_scale_the_papers_2_3_4_7_of_16_steps_to_the_trained_steps(
         fgc.parse_chunks("papers", 9)
 
 
-@pytest.mark.parametrize("k,lam", [(k, lam) for k in range(8) for lam in (1, 2, 3)])
-def test_g2rpo_continuations_end_at_zero_and_keep_the_first_base_step(k, lam):
+@pytest.mark.parametrize("start,lam,nodes", [
+    (1, 1, list(range(1, 17))), (1, 2, [1, 2, 4, 6, 8, 10, 12, 14, 16]), (1, 3, [1, 2, 5, 8, 11, 14, 16]),
+    (8, 3, [8, 9, 12, 15, 16]), (14, 3, [14, 15, 16]), (15, 2, [15, 16])])
+def test_g2rpo_continuations_keep_the_first_base_step_then_every_lambda_th_node_and_end_at_zero(start, lam, nodes):
+    """G2RPO's code: t_{k+1} (the SDE step's end), t_{k+2}, then every lambda-th node from there; t = 0 added where
+    the stride stops short of it (Deviation 8). Nodes of a 16-step grid, written out by hand."""
     grid = fgc.shifted_grid(16, shift=3.0)
-    coarse = fgc.continuation_grid(grid, k + 1, lam)
-    assert coarse[-1] == 0 and coarse[0] == grid[k + 1] and coarse[1] == grid[k + 2]
-    assert torch.all(coarse[1:] < coarse[:-1])
+    torch.testing.assert_close(fgc.continuation_grid(grid, start, lam), grid[nodes])
 
 
 def test_chunk_ratio_is_step_ratio_for_size_one_and_sequence_ratio_for_one_chunk():
@@ -630,8 +667,12 @@ def test_chunk_method_assigns_chunk_ids_by_sizes_and_samples_a_fraction():
     assert first[0] == first[1] != first[2] == first[3] == first[4]
     ctx = ctx_for({"method": "chunk", "chunks": "1,1,3", "chunk_fraction": 0.34, "weighted_chunks": True})
     tr, _ = fgc.chunk(ctx)
-    per_traj = [len(torch.unique(tr.chunk_id[tr.chunk_id // 3 == i])) for i in range(8)]
-    assert per_traj == [1] * 8
+    per_traj = [torch.unique(tr.chunk_id[tr.chunk_id // 3 == i]).tolist() for i in range(8)]
+    assert [len(ids) for ids in per_traj] == [1] * 8, "one chunk a trajectory"
+    sizes = [1, 1, 3]  # a chosen chunk trains whole: all its steps, consecutive
+    for (c,) in per_traj:
+        steps = tr.step[tr.chunk_id == c].tolist()
+        assert steps == list(range(sum(sizes[:c % 3]), sum(sizes[:c % 3 + 1]))), (c, steps)
 
 
 def test_weighted_chunks_are_drawn_in_proportion_to_their_relative_l1(monkeypatch):
@@ -765,11 +806,9 @@ def test_train_fraction_and_branch_steps_subsample_what_is_trained(monkeypatch):
         return real(policy, cond, mb, *rest)
 
     monkeypatch.setattr(fgc, "grpo_loss", spy)
-    params = adapter_params(ctx.policy)
-    saved = [p.detach().clone() for p in params]
+    params = adapter_params(ctx.policy)  # lr 0: the shared test policy stays as it is
     fgc.update(ctx.policy, torch.optim.SGD(params, lr=0.0), ctx.cond, tr, ctx.args, fgc.generator(2))
     assert len(seen) == 2 and sum(seen) == round(len(tr) * 0.5)
-    assert all(torch.equal(p, s) for p, s in zip(params, saved))
     tr, _ = fgc.tempflow(ctx_for({"method": "tempflow", "branch_steps": 2}))
     assert len(torch.unique(tr.step)) == 2
 
@@ -852,7 +891,8 @@ def test_micro_batches_bound_every_pass_and_add_up_to_the_minibatch_gradient(met
 def stated_objective(policy, cond, tr, args):
     """The loss as the docstrings state it, written here from the formulas: the flow SDE's mean (Flow-GRPO Eq. 9)
     of the guided velocity (its unconditional branch constant), log-probs by torch.distributions, a ratio a chunk,
-    mean_j w_j max(-A_j rho_j, -A_j clip(rho_j)) with A_j clamped, + beta mean_k KL(N(mu, s) || N(mu_ref, s))."""
+    mean_j w_j max(-A_j rho_j, -A_j clip(rho_j)) with A_j clamped, + beta mean_k KL(N(mu, s) || N(mu_ref, s));
+    -> (objective, the stated stats: policy_loss the chunks' mean term, approx_kl 1/2 mean_j log(rho_j)^2)."""
     def col(values):
         return values.view(-1, 1, 1, 1)
 
@@ -873,20 +913,23 @@ def stated_objective(policy, cond, tr, args):
     mean, std = mean_of(velocity()), col(tr.std)
     log_prob = torch.distributions.Normal(mean, std).log_prob(tr.x_next).flatten(1).mean(1)
     ids = torch.unique(tr.chunk_id).tolist()
-    objective = 0.0
+    objective, terms, log_ratios = 0.0, [], []
     for j in ids:
         member = tr.chunk_id == j
-        ratio = torch.exp((log_prob[member] - tr.log_prob[member]).mean())
+        log_ratios.append((log_prob[member] - tr.log_prob[member]).mean())
+        ratio = torch.exp(log_ratios[-1])
         adv = tr.advantage[member][0].clamp(-args.adv_clip, args.adv_clip)
         clipped = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
-        objective = objective + tr.weight[member][0] * torch.maximum(-adv * ratio, -adv * clipped) / len(ids)
+        terms.append(tr.weight[member][0] * torch.maximum(-adv * ratio, -adv * clipped))
+        objective = objective + terms[-1] / len(ids)
     if args.beta > 0:
         with torch.no_grad(), fgc.adapter_disabled(policy.net):
             mean_ref = mean_of(velocity())
         kl = torch.distributions.kl_divergence(torch.distributions.Normal(mean, std),
                                                torch.distributions.Normal(mean_ref, std)).flatten(1).mean(1)
         objective = objective + args.beta * kl.mean()
-    return objective
+    stats = {"policy_loss": torch.stack(terms).mean(), "approx_kl": 0.5 * torch.stack(log_ratios).pow(2).mean()}
+    return objective, {k: v.detach() for k, v in stats.items()}
 
 
 GRADIENT_CASES = {  # mechanism -> (method flags, what must hold of the transitions for the case to test something)
@@ -923,12 +966,14 @@ def test_the_gradient_applied_is_the_stated_objective_s(case):
         fgc.accumulate_gradients(ctx.policy, ctx.cond, tr, args)
 
     def stated(args):
-        stated_objective(ctx.policy, ctx.cond, tr, args).backward()
+        stated_objective(ctx.policy, ctx.cond, tr, args)[0].backward()
 
     got, expected = gradient(code, ctx.args), gradient(stated, ctx.args)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
     _, stats = fgc.grpo_loss(ctx.policy, ctx.cond, tr, ctx.args)
     assert 0 < stats["clipfrac"] < 1, "some ratios clipped, some not"
+    for name, value in stated_objective(ctx.policy, ctx.cond, tr, ctx.args)[1].items():  # the logged stats too
+        torch.testing.assert_close(stats[name], value, rtol=1e-4, atol=1e-7)
     if case == "surrogate, clip and advantage clip":
         assert (tr.advantage.abs() > ctx.args.adv_clip).any() and (tr.advantage.abs() < ctx.args.adv_clip).any()
     if case == "KL":  # each mechanism switched off moves the gradient, so the comparison above sees it
@@ -1459,12 +1504,11 @@ def test_a_resume_refuses_the_flags_its_checkpoint_fixes(tiny_run, tiny_cache, t
 
 
 def test_chunk_boundaries_come_from_the_base_model_also_when_a_run_resumes(tiny_cache, tmp_path, monkeypatch):
-    adapter_is_zero, real = [], fgc.chunks_from_profile
+    calls, real = [], fgc.chunks_from_profile
 
-    def spy(profile, num_chunks):  # LoRA starts with B = 0: a zero adapter is the base model
-        net = policies[-1].net
-        adapter_is_zero.append(all(not p.any() for n, p in net.named_parameters() if "lora_B" in n))
-        return real(profile, num_chunks)
+    def spy(profile, num_chunks):  # whether the profiled model has an adapter yet, its profile, the sizes
+        calls.append((hasattr(policies[-1].net, "peft_config"), profile.clone(), real(profile, num_chunks)))
+        return calls[-1][2]
 
     policies, load = [], fgc.load_policy
 
@@ -1477,8 +1521,10 @@ def test_chunk_boundaries_come_from_the_base_model_also_when_a_run_resumes(tiny_
     first = fgc.train(tiny_args(tiny_cache, tmp_path, method="chunk", num_chunks=2, iterations=2, lr=1e-2))
     run = next(tmp_path.iterdir())
     fgc.train(fgc.parse_args(["--run", str(run), "--iterations", "3"]))
-    assert adapter_is_zero == [True, True]  # the resumed run's trained adapter did not move the boundaries
-    assert first[0]["chunk_sizes"] == json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["chunk_sizes"]
+    (adapter_0, profile_0, sizes_0), (adapter_1, profile_1, sizes_1) = calls
+    assert not adapter_0 and not adapter_1, "the profile is the base model's, taken before any adapter"
+    torch.testing.assert_close(profile_1, profile_0)  # the resumed run's trained adapter did not move it
+    assert sizes_1 == sizes_0 == first[0]["chunk_sizes"]
 
 
 def test_non_finite_rewards_skip_updates_and_then_stop(tiny_cache, tmp_path, monkeypatch):
@@ -1749,7 +1795,8 @@ group = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])  # every group has 2 members here
 ctx = fgc.Context(None, fgc.Args(), fgc.Meter(), fgc.generator(0), [], {{}}, torch.zeros(2), None, dist=dist)
 adv = ctx.advantages(r, group)
 zero_std = torch.cat(ctx.stats["zero_std"])
-torch.save({{"adv": adv, "zero_std": zero_std}}, {str(tmp_path)!r} + f"/adv{{dist.rank}}.pt")
+ops = [float(dist.reduce(dist.rank + 1, op)) for op in ("sum", "min", "max")] + dist.gather(r[:1]).tolist()
+torch.save({{"adv": adv, "zero_std": zero_std, "ops": ops}}, {str(tmp_path)!r} + f"/adv{{dist.rank}}.pt")
 torch.distributed.destroy_process_group()  # gloo aborts at exit without it, now and then
 """)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29534",
@@ -1764,6 +1811,7 @@ torch.distributed.destroy_process_group()  # gloo aborts at exit without it, now
     torch.testing.assert_close(torch.cat([g["adv"] for g in got]), expected)
     zero_std = [g["zero_std"].tolist() for g in got]
     assert zero_std[0] == zero_std[1] == torch.cat(whole.stats["zero_std"]).tolist() == [False] * 4
+    assert got[0]["ops"] == got[1]["ops"] == [3.0, 1.0, 2.0, 0.0, 5.0], "reduce's sum, min, max; gather in rank order"
 
 
 def test_benchmark_counts_the_work_of_one_iteration_and_splits_its_time_into_phases(tiny_cache, monkeypatch):
