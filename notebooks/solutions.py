@@ -30,6 +30,22 @@ def sde_mean_std(x, v, t, t_next, a):
     return x - dt * (v + sigma**2 / (2 * t) * x1_hat), (sigma * dt.sqrt()).flatten()
 ''',
         wrong={
+            "shortcut: sde_step imported under its own name": '''
+from flow_grpo_credit import sde_step
+
+
+def sde_mean_std(x, v, t, t_next, a):
+    _, _, mean, std = sde_step(x, v, t, t_next, noise_level=a, noise=torch.zeros_like(x))
+    return mean, std
+''',
+            "t = 1 taken to be the first of the batch": '''
+def sde_mean_std(x, v, t, t_next, a):
+    denominator = 1 - t.clone()
+    denominator[0] = 1 - t_next[0]
+    t, t_next, denominator = t.view(-1, 1, 1, 1), t_next.view(-1, 1, 1, 1), denominator.view(-1, 1, 1, 1)
+    dt, sigma = t - t_next, a * torch.sqrt(t / denominator)
+    return x - dt * (v + sigma**2 / (2 * t) * (x + (1 - t) * v)), (sigma * dt.sqrt()).flatten()
+''',
             "shortcut: fgc.sde_step": '''
 def sde_mean_std(x, v, t, t_next, a):
     _, _, mean, std = fgc.sde_step(x, v, t, t_next, noise_level=a, noise=torch.zeros_like(x))
@@ -74,6 +90,15 @@ def group_advantages(r, group):
     return out
 ''',
         wrong={
+            "groups of equal size assumed": '''
+def group_advantages(r, group):
+    order = torch.argsort(group, stable=True)
+    rs = r[order].view(len(torch.unique(group)), -1)
+    a = (rs - rs.mean(1, keepdim=True)) / (rs.std(1, unbiased=False, keepdim=True) + 1e-4)
+    out = torch.empty_like(r)
+    out[order] = a.flatten()
+    return out
+''',
             "shortcut: fgc.group_normalise": '''
 def group_advantages(r, group):
     return fgc.group_normalise(r, group)[0]
@@ -115,6 +140,12 @@ def clipped_loss(log_prob, log_prob_old, advantage, eps):
     return torch.maximum(-advantage * ratio, -advantage * ratio.clamp(1 - eps, 1 + eps)).mean()
 ''',
         wrong={
+            "the mean over the transitions with an advantage": '''
+def clipped_loss(log_prob, log_prob_old, advantage, eps):
+    ratio = torch.exp(log_prob - log_prob_old)
+    terms = torch.maximum(-advantage * ratio, -advantage * ratio.clamp(1 - eps, 1 + eps))
+    return terms[advantage != 0].mean()
+''',
             "shortcut: fgc.grpo_loss": '''
 def clipped_loss(log_prob, log_prob_old, advantage, eps):
     return fgc.grpo_loss(policy, ctx.cond, transitions, dataclasses.replace(args, clip_range=eps, beta=0.0))[0]
@@ -152,6 +183,17 @@ def kl_per_transition(tr):
     return ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * tr.std**2)
 ''',
         wrong={
+            "the walkthrough's transitions, whatever it is given": '''
+def kl_per_transition(tr):
+    tr = transitions
+    cond = ctx.cond_of(tr.prompt)
+    v = policy.velocity(tr.x, tr.t, cond)
+    with fgc.adapter_disabled(policy.net):
+        v_ref = policy.velocity(tr.x, tr.t, cond)
+    mean = fgc.sde_step(tr.x, v, tr.t, tr.t_next, noise_level=args.noise_level, prev_sample=tr.x_next)[2]
+    mean_ref = fgc.sde_step(tr.x, v_ref, tr.t, tr.t_next, noise_level=args.noise_level, prev_sample=tr.x_next)[2]
+    return ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * tr.std**2)
+''',
             "shortcut: fgc.gaussian_kl": '''
 def kl_per_transition(tr):
     cond = ctx.cond_of(tr.prompt)
@@ -207,6 +249,12 @@ def per_step_advantages(ctx, r, prompt):
     return ctx.advantages(gains.flatten(), group.flatten()).view_as(gains)
 ''',
         wrong={
+            "group ids from the notebook's S, not the rewards' steps": '''
+def per_step_advantages(ctx, r, prompt):
+    gains = r[:, 1:] - r[:, :-1]
+    group = prompt[:, None] * S + torch.arange(gains.shape[1])
+    return ctx.advantages(gains.flatten(), group.flatten()).view_as(gains)
+''',
             "shortcut: fgc.gain_advantages, the joint normalisation": '''
 def per_step_advantages(ctx, r, prompt):
     return fgc.gain_advantages(ctx, r, prompt)
@@ -241,6 +289,12 @@ def tempflow_weights(grid, args):
     return stds / stds[fgc.trainable_steps(grid, args)].mean()
 ''',
         wrong={
+            "the flow SDE's std written out, whatever args.sde": '''
+def tempflow_weights(grid, args):
+    t, t_next = grid[:-1], grid[1:]
+    s = args.noise_level * torch.sqrt(t / (1 - torch.where(t >= 1, t_next, t))) * torch.sqrt(t - t_next)
+    return s / s[fgc.trainable_steps(grid, args)].mean()
+''',
             "shortcut: the weights fgc.tempflow gave section 1's transitions": '''
 def tempflow_weights(grid, args):
     tr = runs["tempflow"]["tr"]
@@ -327,6 +381,48 @@ def sde_window(ctx):
     return fgc.transitions_from(traj, prompt, adv, window & ctx.trainable), r
 ''',
         wrong={
+            "a start among the first steps, whatever ctx.trainable": '''
+WINDOW = 3
+
+
+def sde_window(ctx):
+    b, g, n_steps = len(ctx.metas), ctx.group_per_rank, len(ctx.grid) - 1
+    start = int(torch.randint(int(ctx.trainable.sum()) - WINDOW + 1, (1,), generator=ctx.shared_gen))
+    window = (torch.arange(n_steps) >= start) & (torch.arange(n_steps) < start + WINDOW)
+    prompt = fgc.repeat_each(torch.arange(b), g)
+    traj = ctx.sample(prompt, fgc.initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, window.tolist())
+    r = ctx.reward(traj.states[:, -1], prompt)
+    return fgc.transitions_from(traj, prompt, ctx.advantages(r, prompt)[:, None], window & ctx.trainable), r
+''',
+            "the starting noise drawn with ctx.shared_gen, the same on every rank": '''
+WINDOW = 3
+
+
+def sde_window(ctx):
+    b, g, n_steps = len(ctx.metas), ctx.group_per_rank, len(ctx.grid) - 1
+    allowed = torch.nonzero(ctx.trainable).flatten()
+    start = int(allowed[torch.randint(len(allowed) - WINDOW + 1, (1,), generator=ctx.shared_gen)])
+    window = (torch.arange(n_steps) >= start) & (torch.arange(n_steps) < start + WINDOW)
+    prompt = fgc.repeat_each(torch.arange(b), g)
+    traj = ctx.sample(prompt, fgc.initial_noise(ctx.policy, b * g, ctx.shared_gen), ctx.grid, window.tolist())
+    r = ctx.reward(traj.states[:, -1], prompt)
+    return fgc.transitions_from(traj, prompt, ctx.advantages(r, prompt)[:, None], window & ctx.trainable), r
+''',
+            "the loss scaled by 1 / WINDOW": '''
+WINDOW = 3
+
+
+def sde_window(ctx):
+    b, g, n_steps = len(ctx.metas), ctx.group_per_rank, len(ctx.grid) - 1
+    allowed = torch.nonzero(ctx.trainable).flatten()
+    start = int(allowed[torch.randint(len(allowed) - WINDOW + 1, (1,), generator=ctx.shared_gen)])
+    window = (torch.arange(n_steps) >= start) & (torch.arange(n_steps) < start + WINDOW)
+    prompt = fgc.repeat_each(torch.arange(b), g)
+    traj = ctx.sample(prompt, fgc.initial_noise(ctx.policy, b * g, ctx.gen), ctx.grid, window.tolist())
+    r = ctx.reward(traj.states[:, -1], prompt)
+    adv = ctx.advantages(r, prompt)[:, None]
+    return fgc.transitions_from(traj, prompt, adv, window & ctx.trainable, weight=1.0 / WINDOW), r
+''',
             "shortcut: fgc.flow_grpo, every step stochastic and trained": '''
 WINDOW = 3
 
@@ -498,6 +594,13 @@ def member_noise(ctx):
 answer = "B"
 ''',
         wrong={
+            "the same G noises for every prompt": '''
+def member_noise(ctx):
+    return fgc.initial_noise(ctx.policy, ctx.group_per_rank, ctx.gen).repeat(len(ctx.metas), 1, 1, 1)
+
+
+answer = "B"
+''',
             "shortcut: Stepwise's own noise, one a group, and its telescoping answer": '''
 def member_noise(ctx):
     b, g = len(ctx.metas), ctx.group_per_rank
@@ -558,6 +661,12 @@ def probability_of_improvement(x, y):
             "shortcut: section 2's improvement": '''
 def probability_of_improvement(x, y):
     return improvement(x, y)[0]
+''',
+            "gains within 1e-3 counted as a tie": '''
+def probability_of_improvement(x, y):
+    d = x[:, None] - y[None, :]
+    tie = np.abs(d) < 1e-3
+    return float(((d > 0) & ~tie).mean() + 0.5 * tie.mean())
 ''',
             "shortcut: scipy's Mann-Whitney U statistic": '''
 from scipy.stats import mannwhitneyu
@@ -628,6 +737,20 @@ def power(sd, n, epsilon, alpha=None):
     crit, noncentrality = stats.t.ppf(1 - 0.005 / 2, n - 1), epsilon * np.sqrt(n) / sd
     return float(stats.nct.sf(crit, n - 1, noncentrality) + stats.nct.sf(crit, n - 1, -noncentrality))
 ''' + RESOLVED,
+            "the lower tail left out": '''
+def power(sd, n, epsilon, alpha=0.005):
+    crit, noncentrality = stats.t.ppf(1 - alpha / 2, n - 1), epsilon * np.sqrt(n) / sd
+    return float(stats.nct.sf(crit, n - 1, noncentrality))
+''' + RESOLVED,
+            "the right power, resolved with the spread's population sd": '''
+def power(sd, n, epsilon, alpha=0.005):
+    crit, noncentrality = stats.t.ppf(1 - alpha / 2, n - 1), epsilon * np.sqrt(n) / sd
+    return float(stats.nct.sf(crit, n - 1, noncentrality) + stats.nct.sf(crit, n - 1, -noncentrality))
+
+
+spread = np.std(results["stepwise", "flow_grpo", "iterations"]["d"])
+resolved = {n: optimize.brentq(lambda e, n=n: power(spread, n, e) - 0.8, 1e-9, 1.0) for n in (12, 36)}
+''',
             "the right power, resolved at the first n only": '''
 def power(sd, n, epsilon, alpha=0.005):
     crit, noncentrality = stats.t.ppf(1 - alpha / 2, n - 1), epsilon * np.sqrt(n) / sd
@@ -659,6 +782,17 @@ def gold_peak(record):
     c = curve(record)
     i = int(np.argmax(c["gold"]))
     return int(c["iteration"][i]), float(c["gold"][i])
+''',
+            "the iteration as 8 times the evaluation's position": '''
+def gold_peak(record):
+    gains = [0.0] + [e["gain_gold"] for e in record["evaluations"]]
+    i = int(np.argmax(gains))
+    return 8 * i, gains[i]
+''',
+            "the largest evaluation, or the base below 0: fails on a run with none yet": '''
+def gold_peak(record):
+    best = max(record["evaluations"], key=lambda e: (e["gain_gold"], -e["iteration"]))
+    return (best["iteration"], best["gain_gold"]) if best["gain_gold"] > 0 else (0, 0.0)
 ''',
             "shortcut: the notebook's mean_curve of the one record": '''
 def gold_peak(record):
@@ -739,6 +873,24 @@ def agreement(after, before):
     for p, r, g in zip(after["pair"], after["reward"], after["gold"]):
         dr, dg = r - old["reward"][p], g - old["gold"][p]
         if dr and dg:
+            total += 1
+            agree += (dr > 0) == (dg > 0)
+    return agree / total
+''',
+            "pair ids used as positions in before": '''
+def agreement(after, before):
+    dr = np.array(after["reward"]) - np.array(before["reward"])[after["pair"]]
+    dg = np.array(after["gold"]) - np.array(before["gold"])[after["pair"]]
+    both = (dr != 0) & (dg != 0)
+    return float((np.sign(dr) == np.sign(dg))[both].mean())
+''',
+            "a change under 1e-3 counted as none": '''
+def agreement(after, before):
+    old = {k: dict(zip(before["pair"], before[k])) for k in ("reward", "gold")}
+    agree = total = 0
+    for p, r, g in zip(after["pair"], after["reward"], after["gold"]):
+        dr, dg = r - old["reward"][p], g - old["gold"][p]
+        if abs(dr) > 1e-3 and abs(dg) > 1e-3:
             total += 1
             agree += (dr > 0) == (dg > 0)
     return agree / total
