@@ -339,6 +339,14 @@ def step_chunks(tr):
 def sequence_chunks(tr):
     return tr.chunk_id
 ''',
+            "shortcut: the trajectory read off the chunk method's own ids": '''
+def step_chunks(tr):
+    return torch.arange(len(tr))
+
+
+def sequence_chunks(tr):
+    return tr.chunk_id // len(chunk_sizes)
+''',
             "off by one: n_trained + 1 transitions a chunk": '''
 def step_chunks(tr):
     return torch.arange(len(tr))
