@@ -913,7 +913,7 @@ def stated_objective(policy, cond, tr, args):
     mean, std = mean_of(velocity()), col(tr.std)
     log_prob = torch.distributions.Normal(mean, std).log_prob(tr.x_next).flatten(1).mean(1)
     ids = torch.unique(tr.chunk_id).tolist()
-    objective, terms, log_ratios = 0.0, [], []
+    terms, log_ratios = [], []
     for j in ids:
         member = tr.chunk_id == j
         log_ratios.append((log_prob[member] - tr.log_prob[member]).mean())
@@ -921,14 +921,15 @@ def stated_objective(policy, cond, tr, args):
         adv = tr.advantage[member][0].clamp(-args.adv_clip, args.adv_clip)
         clipped = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
         terms.append(tr.weight[member][0] * torch.maximum(-adv * ratio, -adv * clipped))
-        objective = objective + terms[-1] / len(ids)
+    policy_loss = torch.stack(terms).mean()  # the mean over chunks
+    objective = policy_loss
     if args.beta > 0:
         with torch.no_grad(), fgc.adapter_disabled(policy.net):
             mean_ref = mean_of(velocity())
         kl = torch.distributions.kl_divergence(torch.distributions.Normal(mean, std),
                                                torch.distributions.Normal(mean_ref, std)).flatten(1).mean(1)
         objective = objective + args.beta * kl.mean()
-    stats = {"policy_loss": torch.stack(terms).mean(), "approx_kl": 0.5 * torch.stack(log_ratios).pow(2).mean()}
+    stats = {"policy_loss": policy_loss, "approx_kl": 0.5 * torch.stack(log_ratios).pow(2).mean()}
     return objective, {k: v.detach() for k, v in stats.items()}
 
 
