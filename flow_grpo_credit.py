@@ -76,6 +76,7 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import random
 import re
 import sys
@@ -123,8 +124,10 @@ def read_file(path: Path, load=lambda p: json.loads(p.read_text()),
         raise UsageError(f"{path.name} in {path.parent} cannot be read ({first_line(e)}); {fix}") from None
 
 def first_line(error: Exception) -> str:
-    """A loader's error message, whole to its first line break (where it names the missing part), or its type."""
-    return (str(error).splitlines() or [type(error).__name__])[0]
+    """A loader's error message, whole to its first line break (where it names the missing part), or its type: torch's
+    unpickler, whatever the damage, advises weights_only=False, which is no cure for a damaged file."""
+    lines = [] if isinstance(error, pickle.UnpicklingError) else str(error).splitlines()
+    return (lines or [type(error).__name__])[0]
 
 def segment_mean(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-id means of values (N,) -> (means (K,) in sorted id order, inverse (N,)); means[inverse] is each value's."""
@@ -288,9 +291,17 @@ def validate(args: Args) -> Args:
 def args_of(saved: dict) -> Args:
     """The Args of a saved args.json or record's "args" of any version: gone fields dropped, FORMER_NAMES renamed."""
     saved = {FORMER_NAMES.get(k, k): v for k, v in saved.items()}
-    return Args(**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__})
+    fields = {f.name: f.type for f in dataclasses.fields(Args) if f.name in saved}
+    if wrong := [k for k, kind in fields.items() if not isinstance(saved[k], JSON_TYPES[kind])]:  # edited by hand
+        raise ValueError(f"{wrong[0]} is {saved[wrong[0]]!r}, not a {fields[wrong[0]]}")
+    return Args(**{k: saved[k] for k in fields})
+
+def read_args(path: Path) -> Args:
+    """A run folder's args.json as Args, or read_file's one-line error."""
+    return read_file(path, lambda p: args_of(json.loads(p.read_text())))
 
 FORMER_NAMES = {"ema": "ema_decay", "min_std": "min_std_ratio", "seeds": "noises_per_prompt"}  # former -> now
+JSON_TYPES = {"bool": bool, "int": int, "float": (int, float), "str": str}  # Args' field types, as JSON holds them
 
 def resolved(args: Args) -> Args:
     """`args` with each 0 (and reward auto) that leaves a value to the method, the SDE or the model filled in (a real
@@ -395,7 +406,7 @@ def score_image(img: np.ndarray, meta: dict) -> dict:
              position item: that, averaged with its relation), shrunk where an exclude is broken; mean of items.
     strict   GenEval's verdict and nothing else: no more objects than the prompt asks for.
     extra    objects found beyond those asked for (any blob counts, a known shape or not).
-    missing  asked objects whose class is not found (per include item, count minus those of its class)."""
+    missing  asked objects not drawn: per include item, its count minus the objects of its class found."""
     dets = detect(img)
     by_class = {c: [d for d in dets if d.cls == c] for c in CLASSES}
     ok, credits = True, []
@@ -1267,7 +1278,8 @@ def prompt_sets(args: Args) -> tuple[list[dict] | None, list[dict]]:
     """(training, held-out) prompts: the toy generator (None) and toy-GenEval's, or --prompts, every 10th held out."""
     if not args.prompts:
         return None, eval_prompts(args.eval_per_tag, seed=PROMPT_SEEDS["tuning" if args.tune else "held-out"])
-    metas = [{"tag": "prompt", "prompt": p} for p in map(str.strip, Path(args.prompts).read_text().splitlines()) if p]
+    text = read_file(Path(args.prompts), Path.read_text, "save it as UTF-8 text, one prompt a line")
+    metas = [{"tag": "prompt", "prompt": p} for p in map(str.strip, text.splitlines()) if p]
     if len(metas) < 2:
         raise UsageError(f"--prompts {args.prompts}: needs at least 2 prompts (one a line); it has {len(metas)}")
     return [m for i, m in enumerate(metas) if i % 10], metas[5::10] if args.tune else metas[::10]
@@ -1333,7 +1345,7 @@ def train(args: Args) -> list[dict]:
             if stats.get("trained") and not stats.get("skipped"):  # optimizer steps were taken and kept
                 ema.step(parts.params)
             folder.log(it, ctx, transitions, rewards, stats)
-            if folder.bad_in_row >= args.max_nonfinite:
+            if folder.bad_in_row >= args.max_nonfinite or (folder.bad_in_row and it == args.iterations):
                 raise RunError(f"stopped at iteration {it}: {folder.bad_in_row} iterations in a row had non-finite "
                                f"rewards, advantages or gradient; the last good checkpoint is in {folder.path}")
             folder.evaluate_if_due(it)  # every eval_every iterations and at the end
@@ -1350,6 +1362,8 @@ def all_finite(dist: Dist, *tensors: torch.Tensor) -> bool:
 # 10 Run folder: its books, checkpoints and record, and the base's cached evaluation
 
 NOT_SHAPING = ("out", "run", "device", "cache_dir", "base_cache")  # where and how fast, not what
+FIXED_ON_RESUME = ("method", "seed", "lora_rank", "lora_alpha",  # what the checkpoint is of (its model may move),
+                   "lr", "weight_decay", "ema_decay")  # and what its optimizer and moving average hold
 
 def run_label(args: Args) -> str:
     """The method and the flags that differ from its defaults (g2rpo:granularities=1): a record's label."""
@@ -1379,15 +1393,15 @@ class RunFolder(contextlib.AbstractContextManager):
         again; one of other flags resumes with them from its checkpoint, if the checkpoint allows them."""
         if not (self.path / "record.json").exists():
             return False
-        record = read_file(self.path / "record.json")
+        record = read_record(self.path / "record.json")
         if "error" in record:
-            print(f"{self.path}: stopped at iteration {record['iteration']} ({record['error']}); trying again")
+            print(f"{self.path}: stopped at iteration {record.get('iteration')} ({record['error']}); trying again")
             return False
         mine, saved = dataclasses.asdict(self.args), dataclasses.asdict(resolved(args_of(record["args"])))
         if any(mine[k] != v for k, v in saved.items() if k not in NOT_SHAPING):
             return False
-        print(f"{self.path}: finished already (record.json); nothing to do")
         self.history = read_file(self.path / "metrics.jsonl", lambda p: [*map(json.loads, p.read_text().splitlines())])
+        print(f"{self.path}: finished already (record.json); nothing to do")
         return True
 
     def open(self, parts: Setup, ema) -> tuple[Meter, int]:
@@ -1397,7 +1411,8 @@ class RunFolder(contextlib.AbstractContextManager):
             try:
                 self.path.mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                raise UsageError(f"--out {self.args.out!r}: cannot create {self.path} ({e.strerror or e})") from None
+                flag = f"--run {self.args.run!r}" if self.args.run else f"--out {self.args.out!r}"
+                raise UsageError(f"{flag}: cannot create {self.path} ({e.strerror or e})") from None
             from filelock import FileLock, Timeout
             self.lock = FileLock(self.path / ".lock")  # one writer per folder: the process's until it exits
             try:
@@ -1407,14 +1422,18 @@ class RunFolder(contextlib.AbstractContextManager):
         self.state = {"iteration": 0, "meter": {}, "wall": 0.0}
         if resume:  # onto the CPU, as weights only; the moving average then joins the model
             from peft.utils import set_peft_model_state_dict
-            saved = dataclasses.asdict(resolved(args_of(read_file(self.path / "args.json"))))
-            for flag in [f for f in ("lr", "weight_decay", "ema_decay") if getattr(self.args, f) != saved[f]]:
+            saved = dataclasses.asdict(resolved(read_args(self.path / "args.json")))
+            for flag in [f for f in FIXED_ON_RESUME if getattr(self.args, f) != saved[f]]:
                 raise UsageError(f"a run resumes as it began: --{flag.replace('_', '-')} is {saved[flag]!r} in its "
                                  f"folder, not {getattr(self.args, flag)!r}; start a new run (another --run) instead")
             self.state = read_file(self.path / "checkpoint.pt", torch.load, map_location="cpu", weights_only=True)
-            set_peft_model_state_dict(parts.policy.net, self.state["lora"])
-            parts.opt.load_state_dict(self.state["optimizer"])
-            ema.load_state_dict(self.state["ema"])
+            try:
+                set_peft_model_state_dict(parts.policy.net, self.state["lora"])
+                parts.opt.load_state_dict(self.state["optimizer"])
+                ema.load_state_dict(self.state["ema"])
+            except (KeyError, TypeError, ValueError, RuntimeError) as e:  # another model's, or not a checkpoint's dict
+                raise UsageError(f"checkpoint.pt in {self.path} does not fit this model ({first_line(e)}); "
+                                 "resume it with the --model it began with") from None
             ema.to(next(parts.policy.net.parameters()).device)
         self.history, self.wall = self.state.get("history", []), self.state["wall"]
         if self.writer:
@@ -1523,8 +1542,8 @@ class RunFolder(contextlib.AbstractContextManager):
         keys = dict.fromkeys(k for h in lines for k in h if k != "wall_s")
         training = {k: [h.get(k) if isinstance(h.get(k), (int, type(None))) else float(f"{h[k]:.4g}") for h in lines]
                     for k in keys}
-        evaluations = [h | {"scores": per_pair(torch.load(self.path / f"scores_{h['iteration']:04d}.pt",
-                                                          weights_only=True), self.args)}
+        evaluations = [h | {"scores": per_pair(read_file(self.path / f"scores_{h['iteration']:04d}.pt", torch.load,
+                                                         weights_only=True), self.args)}
                        for h in self.history if "eval_overall" in h]
         nfe = max([0] + [h["nfe"] for h in self.history if "nfe" in h])
         record = {"label": run_label(self.args), "seed": self.args.seed, "args": dataclasses.asdict(self.args),
@@ -1534,6 +1553,19 @@ class RunFolder(contextlib.AbstractContextManager):
                   **error}
         (self.path / "record.json.tmp").write_text(json.dumps(record, separators=(",", ":")))  # ~50 kB a toy run
         os.replace(self.path / "record.json.tmp", self.path / "record.json")
+
+def read_record(path: Path, fix: str = "restore it, or move the run folder away to start the run over") -> dict:
+    """A run's record.json, or a copy of one (notebooks 03 and 04 read them); or read_file's one-line error for a
+    file cut short, edited by hand, or not a record."""
+    def load(p: Path) -> dict:
+        record = json.loads(p.read_text())
+        if missing := [k for k in RECORD_KEYS if k not in record]:  # a JSON list or string has no key either
+            raise ValueError(f"not a run's record: no {missing[0]!r}")
+        args_of(record["args"])  # flags of the right types
+        return record
+    return read_file(path, load, fix)
+
+RECORD_KEYS = ("label", "seed", "args", "iterations", "nfe", "seconds", "cpu", "code", "training", "evaluations")
 
 def base_evaluation(args: Args, parts: Setup, code: str) -> tuple:
     """The base model's evaluation, cached on this machine under a key of all that determines it (weights, evaluation
@@ -1556,9 +1588,12 @@ def base_evaluation(args: Args, parts: Setup, code: str) -> tuple:
             print(f"warning: {e}", file=sys.stderr)
     made = evaluate(parts.policy, args, parts.reward_fn)
     if args.base_cache:  # written whole, then renamed: a reader never sees half a file
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(made, path.with_suffix(f".tmp{os.getpid()}"))
-        os.replace(path.with_suffix(f".tmp{os.getpid()}"), path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(made, path.with_suffix(f".tmp{os.getpid()}"))
+            os.replace(path.with_suffix(f".tmp{os.getpid()}"), path)
+        except OSError as e:  # a read-only home, a file in the way: the run goes on uncached
+            print(f"warning: the base's evaluation is not cached ({e}); --cache-dir names another", file=sys.stderr)
     return made
 
 EVALUATION_FLAGS = ("model", "reward", "reward_model", "extra_penalty", "prompts", "resolution", "dtype", "micro_batch",
@@ -1718,8 +1753,8 @@ def parse_args(argv=None) -> Args:
                             **by_type.get(f.type, dict(type=str)))
     given = vars(parser.parse_args(argv))
     saved_file = Path(given.get("run", "")) / "args.json"
-    saved = read_file(saved_file) if given.get("run") and saved_file.exists() else {}
-    return dataclasses.replace(args_of(saved), **given)
+    saved = read_args(saved_file) if given.get("run") and saved_file.exists() else Args()
+    return dataclasses.replace(saved, **given)
 
 def main(argv=None) -> int:
     try:

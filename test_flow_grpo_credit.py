@@ -1487,18 +1487,21 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tiny_cache, tmp_pat
 
 
 def test_a_resume_refuses_the_flags_its_checkpoint_fixes(tiny_run, tiny_cache, tmp_path, capsys):
-    """The optimizer and the moving average come back from the checkpoint with their lr, weight decay and
-    decay: --run with other values is a one-line error, and the run folder says what the run does. A
-    longer run is fine: the lr is constant."""
+    """The checkpoint is an adapter of one method, seed, model and rank, and its optimizer and moving average hold
+    their lr, weight decay and decay: --run with other values is a one-line error (a finished run's record is not
+    overwritten under another label), and the run folder says what the run does. A longer run is fine: the lr is
+    constant."""
     args, run, _ = tiny_run
-    before = (run / "args.json").read_text()
-    for flag, value in [("--lr", "0.5"), ("--weight-decay", "0.1"), ("--ema-decay", "0.5")]:
+    before = {name: (run / name).read_text() for name in ("args.json", "record.json")}
+    other_rank = str(fgc.resolved(args).lora_rank + 1)
+    for flag, value in [("--lr", "0.5"), ("--weight-decay", "0.1"), ("--ema-decay", "0.5"), ("--seed", "1"),
+                        ("--method", "stepwise"), ("--lora-rank", other_rank), ("--lora-alpha", "3")]:
         assert fgc.main(["--run", str(run), flag, value]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and f"{flag} is" in err and "start a new run" in err
-    assert (run / "args.json").read_text() == before
+    assert {name: (run / name).read_text() for name in before} == before
     saved = torch.load(run / "checkpoint.pt", weights_only=True)
-    assert saved["optimizer"]["param_groups"][0]["lr"] == json.loads(before)["lr"] == args.lr
+    assert saved["optimizer"]["param_groups"][0]["lr"] == json.loads(before["args.json"])["lr"] == args.lr
     fgc.train(tiny_args(tiny_cache, tmp_path, iterations=1))
     longer = fgc.train(fgc.parse_args(["--run", str(next(tmp_path.iterdir())), "--iterations", "2"]))
     assert [h["lr"] for h in longer if "lr" in h] == [fgc.METHODS["flow_grpo"].lr] * 2
@@ -1547,6 +1550,9 @@ def test_non_finite_rewards_skip_updates_and_then_stop(tiny_cache, tmp_path, mon
         fgc.train(tiny_args(tiny_cache, tmp_path / "always", iterations=5))
     run = next((tmp_path / "always").iterdir())
     assert not (run / "checkpoint.pt").exists(), "no checkpoint from a poisoned state"
+    with pytest.raises(fgc.RunError, match="stopped at iteration 2: 2 iterations in a row"):  # fewer than 3: no finish
+        fgc.train(tiny_args(tiny_cache, tmp_path / "short", iterations=2))
+    assert "error" in json.loads((next((tmp_path / "short").iterdir()) / "record.json").read_text())
 
 
 def reading_path() -> tuple[list, set]:
@@ -2941,15 +2947,16 @@ def cut_short(file: Path, cut: str | None) -> None:
     file.write_bytes(data[:CUTS[cut](len(data))])
 
 
-def fails_in_one_line(capfd, argv: list, folder: Path, *needles: str) -> None:
+def fails_in_one_line(capfd, argv: list, folder: Path, *needles: str) -> str:
     """The CLI's main(argv) returns 2 with one line on stderr that holds every needle, and `folder` is byte-for-byte
-    as it was."""
+    as it was: -> the line."""
     before = files_of(folder)
     capfd.readouterr()
     assert fgc.main(argv) == 2
     err = capfd.readouterr().err
     assert len(err.strip().splitlines()) == 1 and all(needle in err for needle in needles), err
     assert files_of(folder) == before
+    return err
 
 
 @pytest.mark.parametrize("cut", ["empty", "a few bytes", "half", "all but 64 bytes"])
@@ -2970,6 +2977,75 @@ def test_a_damaged_json_file_of_a_run_folder_is_a_one_line_error_that_changes_no
     copy = shutil.copytree(run, tmp_path / run.name)
     cut_short(copy / name, "the last 3 bytes lost")
     fails_in_one_line(capfd, ["--run", str(copy)], copy, name, str(copy), "restore it")
+
+
+EDITS = {"args.json: a value of another type": ("args.json", lambda saved: saved | {"lr": "fast"}, "lr is 'fast'"),
+         "args.json: null": ("args.json", lambda saved: None, "args.json"),
+         "record.json: a list": ("record.json", lambda saved: [saved], "not a run's record"),
+         "record.json: no flags": ("record.json", lambda saved: {k: v for k, v in saved.items() if k != "args"},
+                                   "no 'args'"),
+         "record.json: a flag of another type": ("record.json", lambda saved: saved | {"args": {"seed": "0"}},
+                                                 "seed is '0'")}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_a_run_folder_s_json_edited_by_hand_into_something_else_is_a_one_line_error_that_changes_nothing(
+        tiny_run, tmp_path, capfd, edit):
+    """Valid JSON, but not what the file holds: a flag of another type, another type of file."""
+    _, run, _ = tiny_run
+    name, change, needle = EDITS[edit]
+    copy = shutil.copytree(run, tmp_path / run.name)
+    (copy / name).write_text(json.dumps(change(json.loads((copy / name).read_text()))))
+    fails_in_one_line(capfd, ["--run", str(copy)], copy, name, str(copy), needle, "restore it")
+
+
+def save_other_dict(path: Path) -> None:
+    torch.save({"iteration": 2, "wall": 0.0, "weights": torch.zeros(3)}, path)
+
+
+@pytest.mark.parametrize("write, needle", [(lambda path: path.write_bytes(random.Random(0).randbytes(4096)),
+                                            "UnpicklingError"), (save_other_dict, "does not fit")])
+def test_a_checkpoint_that_is_not_one_is_a_one_line_error_without_torch_s_advice_to_unpickle_it(tiny_run, tmp_path,
+                                                                                                capfd, write, needle):
+    """Random bytes, or a torch file of something else. torch's unpickler answers any damage with "re-run with
+    weights_only=False", which would run what the bytes say: not in the error."""
+    _, run, _ = tiny_run
+    copy = shutil.copytree(run, tmp_path / run.name)
+    write(copy / "checkpoint.pt")
+    err = fails_in_one_line(capfd, ["--run", str(copy), "--iterations", "4"], copy, "checkpoint.pt", str(copy), needle)
+    assert "weights_only" not in err
+
+
+def test_a_damaged_scores_file_stops_the_record_in_one_line_naming_it(tiny_run, tmp_path, capfd, monkeypatch):
+    """Two more iterations train; the record then pairs every evaluation's scores, and one of them is cut short."""
+    _, run, _ = tiny_run
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    copy = shutil.copytree(run, tmp_path / run.name)
+    cut_short(copy / "scores_0000.pt", "half")
+    capfd.readouterr()
+    assert fgc.main(["--run", str(copy), "--iterations", "4"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "scores_0000.pt" in err[0] and str(copy) in err[0], err
+
+
+def test_a_cache_folder_that_cannot_be_written_is_a_warning_and_the_run_goes_on(tiny_cache, tmp_path, capfd,
+                                                                                 monkeypatch):
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    in_the_way = tmp_path / "not_a_folder"
+    in_the_way.write_text("")
+    capfd.readouterr()
+    fgc.train(tiny_args(tiny_cache, tmp_path, iterations=1, base_cache=True, cache_dir=str(in_the_way),
+                        run=str(tmp_path / "run")))
+    err = [line for line in capfd.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(err) == 1 and "not cached" in err[0] and (tmp_path / "run" / "record.json").exists()
+
+
+def test_a_prompts_file_that_is_not_utf8_is_a_one_line_error_naming_it(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_bytes("a red cat\nun caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(fgc.UsageError, match="prompts.txt in .* cannot be read .*UTF-8") as err:
+        fgc.prompt_sets(fgc.Args(prompts=str(path)))
+    assert "\n" not in str(err.value)
 
 
 def test_a_resume_through_train_reads_a_damaged_args_json_as_a_one_line_error_that_changes_nothing(tiny_run, tmp_path):
