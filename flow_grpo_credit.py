@@ -1422,10 +1422,10 @@ class RunFolder(contextlib.AbstractContextManager):
         self.state = {"iteration": 0, "meter": {}, "wall": 0.0}
         if resume:  # onto the CPU, as weights only; the moving average then joins the model
             from peft.utils import set_peft_model_state_dict
-            saved = dataclasses.asdict(resolved(read_args(self.path / "args.json")))
-            for flag in [f for f in FIXED_ON_RESUME if getattr(self.args, f) != saved[f]]:
+            mine, saved = (dataclasses.asdict(resolved(a)) for a in (self.args, read_args(self.path / "args.json")))
+            for flag in [f for f in FIXED_ON_RESUME if mine[f] != saved[f]]:
                 raise UsageError(f"a run resumes as it began: --{flag.replace('_', '-')} is {saved[flag]!r} in its "
-                                 f"folder, not {getattr(self.args, flag)!r}; start a new run (another --run) instead")
+                                 f"folder, not {mine[flag]!r}; start a new run (another --run) instead")
             self.state = read_file(self.path / "checkpoint.pt", torch.load, map_location="cpu", weights_only=True)
             try:
                 set_peft_model_state_dict(parts.policy.net, self.state["lora"])
@@ -1565,7 +1565,7 @@ def read_record(path: Path, fix: str = "restore it, or move the run folder away 
         return record
     return read_file(path, load, fix)
 
-RECORD_KEYS = ("label", "seed", "args", "iterations", "nfe", "seconds", "cpu", "code", "training", "evaluations")
+RECORD_KEYS = ("label", "seed", "args", "iterations", "evaluations")  # what every reader of a record needs
 
 def base_evaluation(args: Args, parts: Setup, code: str) -> tuple:
     """The base model's evaluation, cached on this machine under a key of all that determines it (weights, evaluation
