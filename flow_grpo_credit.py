@@ -1293,8 +1293,9 @@ def setup(args: Args, dist: Dist) -> Setup:
     args = resolved(args)  # the method's lr and iterations, the model's LoRA
     set_seed(args.seed)
     local = [Path(m) for m in (args.model, args.reward_model) if m not in ("", "toy") and Path(m).is_dir()]
-    for file in (f for folder in local for f in folder.rglob("*.safetensors")):  # headers only: a damaged part named
-        read_file(file, safe_open, "restore it, or copy the model folder again", framework="pt")
+    readers = {".json": lambda p: json.loads(p.read_text()), ".safetensors": lambda p: safe_open(p, framework="pt")}
+    for file in (f for folder in local for f in folder.rglob("*") if f.suffix in readers):  # configs, tokenizers and
+        read_file(file, readers[file.suffix], "restore it, or copy the model folder again")  # weights' headers
     # every rank loads the model; huggingface_hub's file locks let one download a hub model while the others wait
     policy, reward_fn = load_policy(args, dist.device), build_reward(args, dist.device)
     grid = policy.time_grid(args.steps)

@@ -3133,6 +3133,21 @@ def test_a_local_model_folder_missing_or_damaging_a_part_is_a_one_line_error_nam
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("flag,source,name", [("model", "sd3", "model_index.json"),
+                                              ("model", "sd3", "transformer/config.json"),
+                                              ("model", "sd3", "tokenizer_3/tokenizer.json"),
+                                              ("reward_model", "clip", "config.json")])
+def test_a_local_model_folder_with_a_json_file_cut_short_is_a_one_line_error_naming_the_file(tiny_real, tmp_path, flag,
+                                                                                              source, name):
+    """A config or tokenizer file that a library would read with a message of its own, or read around."""
+    folder = shutil.copytree(tiny_real / source, tmp_path / "model")
+    cut_short(folder / name, "half")
+    with pytest.raises(fgc.UsageError) as err:
+        fgc.train(real_args(tiny_real, tmp_path / "runs", **{flag: str(folder)}))
+    assert "\n" not in str(err.value) and f"{Path(name).name} in {(folder / name).parent}" in str(err.value)
+    assert not (tmp_path / "runs").exists()
+
+
 # ----------------------------------------------------------------------------------------------------
 # benchmark.py --architecture: SD3.5-Medium and FLUX.1-dev at random weights from assets/architectures/
 
