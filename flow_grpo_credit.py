@@ -126,7 +126,9 @@ def read_file(path: Path, load=lambda p: json.loads(p.read_text()),
 def first_line(error: Exception) -> str:
     """A loader's error message, whole to its first line break (where it names the missing part), or its type: torch's
     unpickler, whatever the damage, advises weights_only=False, which is no cure for a damaged file."""
-    lines = [] if isinstance(error, pickle.UnpicklingError) else str(error).splitlines()
+    lines = [] if isinstance(error, pickle.UnpicklingError) else [line.strip() for line in str(error).splitlines()]
+    if len(lines) > 1 and lines[0].endswith(":"):  # "Error(s) in loading state_dict for X:" names the cause below
+        return f"{lines[0]} {lines[1]}"
     return (lines or [type(error).__name__])[0]
 
 def segment_mean(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -3014,6 +3015,14 @@ def test_a_checkpoint_that_is_not_one_is_a_one_line_error_without_torch_s_advice
     write(copy / "checkpoint.pt")
     err = fails_in_one_line(capfd, ["--run", str(copy), "--iterations", "4"], copy, "checkpoint.pt", str(copy), needle)
     assert "weights_only" not in err
+
+
+def test_a_loader_s_error_is_cut_to_the_line_that_names_the_cause():
+    assert fgc.first_line(ValueError("no file named x.json\nin folder y")) == "no file named x.json"
+    mismatch = RuntimeError("Error(s) in loading state_dict for M:\n\tsize mismatch for w: [4, 8] and [2, 8].")
+    assert fgc.first_line(mismatch) == "Error(s) in loading state_dict for M: size mismatch for w: [4, 8] and [2, 8]."
+    assert fgc.first_line(KeyError()) == "KeyError"
+    assert fgc.first_line(pickle.UnpicklingError("re-run with weights_only=False")) == "UnpicklingError"
 
 
 def test_a_damaged_scores_file_stops_the_record_in_one_line_naming_it(tiny_run, tmp_path, capfd, monkeypatch):
