@@ -115,7 +115,10 @@ def parse_ints(text: str, flag: str, example: str = "1,2,3") -> list[int]:
     except ValueError:
         raise UsageError(f"{flag} must be integers like {example}, got {text!r}") from None
 
-def read_file(path: Path, load=lambda p: json.loads(p.read_text()),
+def json_file(path: Path):
+    return json.loads(path.read_text())
+
+def read_file(path: Path, load=json_file,
               fix="restore it, or move the run folder away to start the run over", **options):
     """load(path, **options), or the one-line UsageError: the file, its folder, what is wrong, and what to do."""
     try:
@@ -300,7 +303,7 @@ def args_of(saved: dict) -> Args:
 
 def read_args(path: Path) -> Args:
     """A run folder's args.json as Args, or read_file's one-line error."""
-    return read_file(path, lambda p: args_of(json.loads(p.read_text())))
+    return read_file(path, lambda p: args_of(json_file(p)))
 
 FORMER_NAMES = {"ema": "ema_decay", "min_std": "min_std_ratio", "seeds": "noises_per_prompt"}  # former -> now
 JSON_TYPES = {"bool": bool, "int": int, "float": (int, float), "str": str}  # Args' field types, as JSON holds them
@@ -1295,7 +1298,7 @@ def setup(args: Args, dist: Dist) -> Setup:
     args = resolved(args)  # the method's lr and iterations, the model's LoRA
     set_seed(args.seed)
     local = [Path(m) for m in (args.model, args.reward_model) if m not in ("", "toy") and Path(m).is_dir()]
-    readers = {".json": lambda p: json.loads(p.read_text()), ".safetensors": lambda p: safe_open(p, framework="pt")}
+    readers = {".json": json_file, ".safetensors": lambda p: safe_open(p, framework="pt")}
     for file in (f for folder in local for f in folder.rglob("*") if f.suffix in readers):  # configs, tokenizers and
         read_file(file, readers[file.suffix], "restore it, or copy the model folder again")  # weights' headers
     # every rank loads the model; huggingface_hub's file locks let one download a hub model while the others wait
@@ -1561,7 +1564,7 @@ def read_record(path: Path, fix: str = "restore it, or move the run folder away 
     """A run's record.json, or a copy of one (notebooks 03 and 04 read them); or read_file's one-line error for a
     file cut short, edited by hand, or not a record."""
     def load(p: Path) -> dict:
-        record = json.loads(p.read_text())
+        record = json_file(p)
         if missing := [k for k in RECORD_KEYS if k not in record]:  # a JSON list or string has no key either
             raise ValueError(f"not a run's record: no {missing[0]!r}")
         args_of(record["args"])  # flags of the right types
